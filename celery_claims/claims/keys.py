@@ -1,0 +1,83 @@
+"""Every Redis key name of the claim store, spelled in one place.
+
+All keys of one queue share the hash tag ``{<escaped queue id>}``, so each queue's script
+touches one Redis Cluster slot. Ids are escaped before they go into a key: ``%``, ``{``, ``}``
+and ``:`` become ``%25``, ``%7B``, ``%7D`` and ``%3A``, so a queue id can neither open another
+hash tag nor collide with another queue's keys (the escape is injective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from celery_claims.errors import InvalidArgument
+
+__all__ = ["DEFAULT_PREFIX", "QueueKeys", "escape", "queues_key", "require_prefix"]
+
+#: Prefix of every key written by the claim store.
+DEFAULT_PREFIX = "claims"
+
+_ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D", ":": "%3A"})
+
+
+def escape(identifier: str) -> str:
+    """Make ``identifier`` safe to embed in a key and inside a hash tag."""
+    return identifier.translate(_ESCAPES)
+
+
+def require_prefix(prefix: object) -> str:
+    """Validate a key prefix: a non-empty str that cannot open or close a hash tag."""
+    if not isinstance(prefix, str) or not prefix:
+        raise InvalidArgument("prefix", f"must be a non-empty str, got {prefix!r:.80}")
+    if "{" in prefix or "}" in prefix:
+        raise InvalidArgument("prefix", "must not contain '{' or '}' (it would move hash slots)")
+    return prefix
+
+
+def queues_key(prefix: str) -> str:
+    """The set of known queue ids (another slot: never touched inside a queue's script)."""
+    return f"{prefix}:queues"
+
+
+@dataclass(frozen=True, slots=True)
+class QueueKeys:
+    """The keys of one queue."""
+
+    prefix: str
+    queue_id: str
+
+    @property
+    def tag(self) -> str:
+        return f"{self.prefix}:{{{escape(self.queue_id)}}}"
+
+    @property
+    def claims(self) -> str:
+        """Hash: task id -> ``instance:created_at:expires_at:owner``."""
+        return f"{self.tag}:c"
+
+    @property
+    def expiries(self) -> str:
+        """Sorted set: task id scored by ``expires_at`` (counting, listing, cleanup)."""
+        return f"{self.tag}:e"
+
+    @property
+    def counter(self) -> str:
+        """String: the queue's last issued instance (the fencing counter)."""
+        return f"{self.tag}:n"
+
+    @property
+    def stats(self) -> str:
+        """Hash: the queue's counters."""
+        return f"{self.tag}:s"
+
+    def done(self, task_id: str) -> str:
+        """String with a TTL: the task's completion record ``instance:done_at:owner``."""
+        return f"{self.tag}:d:{escape(task_id)}"
+
+    def claim_keys(self, task_id: str) -> list[str]:
+        """KEYS of claim.lua."""
+        return [self.claims, self.expiries, self.counter, self.stats, self.done(task_id)]
+
+    def release_keys(self, task_id: str) -> list[str]:
+        """KEYS of release.lua."""
+        return [self.claims, self.expiries, self.stats, self.done(task_id)]

@@ -1,0 +1,37 @@
+-- Release a claim (the original's release); with a TTL, also keep a completion record.
+-- KEYS[1] = claims hash of the queue        ({q}:c)
+-- KEYS[2] = expiry sorted set of the queue  ({q}:e)
+-- KEYS[3] = stats hash of the queue         ({q}:s)
+-- KEYS[4] = completion record of the task   ({q}:d:<task>)
+-- ARGV[1] = task id
+-- ARGV[2] = owner of the token
+-- ARGV[3] = instance of the token
+-- ARGV[4] = completion record TTL in ms, or '' for a plain release
+-- ARGV[5] = now in epoch ms, or '' for the server clock
+-- returns: {1 released} | {4 NOT_FOUND} | {5 STALE} | {6 NOT_OWNER}
+local entry = redis.call('HGET', KEYS[1], ARGV[1])
+if not entry then
+  return {4}
+end
+-- the instance is checked before the owner: the original reports a stale token first
+local instance, _, _, owner = parse_entry(entry)
+if instance ~= ARGV[3] then
+  return {5}
+end
+if owner ~= ARGV[2] then
+  return {6}
+end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HINCRBY', KEYS[3], 'acks', 1)
+if ARGV[4] ~= '' then
+  local ttl = tonumber(ARGV[4])
+  if ttl > 0 then
+    local now = now_ms(ARGV[5])
+    -- the deadline is kept in the value so a caller's clock (tests) judges it like a claim;
+    -- PX only collects the key
+    redis.call('SET', KEYS[4], instance .. ':' .. fmt(now) .. ':' .. fmt(now + ttl) .. ':' .. owner,
+      'PX', ttl)
+  end
+end
+return {1}

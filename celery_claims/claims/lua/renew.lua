@@ -1,0 +1,36 @@
+-- Renew many claims of one queue in one round trip: expires_at = max(expires_at, now + lease).
+-- KEYS[1] = claims hash of the queue        ({q}:c)
+-- KEYS[2] = expiry sorted set of the queue  ({q}:e)
+-- ARGV[1] = lease in ms
+-- ARGV[2] = now in epoch ms, or '' for the server clock
+-- ARGV[3 + 3i], ARGV[4 + 3i], ARGV[5 + 3i] = task id, owner, instance of token i
+-- returns: {status_1, expires_at_1, status_2, expires_at_2, ...}
+--          status 1 renewed | 4 NOT_FOUND | 5 STALE | 6 NOT_OWNER (expires_at 0 when refused)
+local now = now_ms(ARGV[2])
+local target = now + tonumber(ARGV[1])
+local out = {}
+for i = 3, #ARGV, 3 do
+  local task = ARGV[i]
+  local entry = redis.call('HGET', KEYS[1], task)
+  local status, expires_at = 1, 0
+  if not entry then
+    status = 4
+  else
+    local instance, created, expires, owner = parse_entry(entry)
+    if instance ~= ARGV[i + 2] then
+      status = 5
+    elseif owner ~= ARGV[i + 1] then
+      status = 6
+    else
+      expires_at = math.max(expires, target)
+      if expires_at ~= expires then
+        redis.call('HSET', KEYS[1], task,
+          instance .. ':' .. fmt(created) .. ':' .. fmt(expires_at) .. ':' .. owner)
+        redis.call('ZADD', KEYS[2], fmt(expires_at), task)
+      end
+    end
+  end
+  out[#out + 1] = status
+  out[#out + 1] = expires_at
+end
+return out

@@ -1,0 +1,255 @@
+"""``MemoryClaimManager``: the executable specification of the claim protocol.
+
+It is the reference every other backend is checked against (the contract suite and a
+hypothesis model test run the Redis backend side by side with it), and it is public so users
+can test their own code without a Redis server.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from celery_claims.claims.status import token_error
+from celery_claims.clock import Clock, system_clock_ms
+from celery_claims.errors import ClaimTokenError
+from celery_claims.model import (
+    AlreadyClaimed,
+    AlreadyDone,
+    ClaimResult,
+    ClaimStats,
+    ClaimStatus,
+    ClaimToken,
+    GateResult,
+    Success,
+    TookOver,
+)
+from celery_claims.validation import (
+    require_id,
+    require_limit,
+    require_ms,
+    require_token,
+    require_tokens,
+)
+
+__all__ = ["MemoryClaimManager"]
+
+
+@dataclass
+class _Queue:
+    """One queue's state; guarded by its own lock, as in the original."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    claims: dict[str, ClaimToken] = field(default_factory=dict)
+    done: dict[str, tuple[AlreadyDone, int]] = field(default_factory=dict)
+    last_instance: int = 0
+    stats: ClaimStats = field(default_factory=ClaimStats)
+
+
+class MemoryClaimManager:
+    """Thread-safe in-process claim manager with an injectable clock.
+
+    Args:
+        clock: returns epoch ms; the default reads ``time.time()`` (freezegun moves it).
+    """
+
+    def __init__(self, *, clock: Clock | None = None) -> None:
+        self._clock: Clock = clock or system_clock_ms
+        self._queues: dict[str, _Queue] = {}
+        self._registry_lock = threading.Lock()
+
+    def _queue(self, queue_id: str) -> _Queue:
+        queue = self._queues.get(queue_id)
+        if queue is None:
+            with self._registry_lock:
+                queue = self._queues.setdefault(queue_id, _Queue())
+        return queue
+
+    def _count(self, queue: _Queue, **increments: int) -> None:
+        stats = queue.stats
+        queue.stats = replace(
+            stats, **{name: getattr(stats, name) + n for name, n in increments.items()}
+        )
+
+    # --- the original API -----------------------------------------------------------------
+
+    def claim(self, queue_id: str, task_id: str, owner: str, lease_ms: int) -> ClaimResult:
+        """See :meth:`celery_claims.ClaimManager.claim`."""
+        result = self._claim(queue_id, task_id, owner, lease_ms, honour_done=False)
+        assert not isinstance(result, AlreadyDone)
+        return result
+
+    def _claim(
+        self, queue_id: str, task_id: str, owner: str, lease_ms: int, *, honour_done: bool
+    ) -> GateResult:
+        require_id("queue_id", queue_id)
+        require_id("task_id", task_id)
+        require_id("owner", owner)
+        require_ms("lease_ms", lease_ms)
+        queue = self._queue(queue_id)
+        with queue.lock:
+            now = self._clock()
+            self._count(queue, attempts=1)
+            if honour_done:
+                record = self._live_done(queue, task_id, now)
+                if record is not None:
+                    return record
+            current = queue.claims.get(task_id)
+            previous_owner = None
+            if current is not None and current.owner != owner:
+                if now < current.expires_at:
+                    self._count(queue, contentions=1)
+                    return AlreadyClaimed(owner=current.owner, expires_at=current.expires_at)
+                previous_owner = current.owner
+            queue.last_instance += 1
+            token = ClaimToken(queue_id, task_id, owner, queue.last_instance, now, now + lease_ms)
+            queue.claims[task_id] = token
+            if previous_owner is not None:
+                self._count(queue, takeovers=1)
+                return TookOver(previous_owner=previous_owner, token=token)
+            self._count(queue, successes=1)
+            return Success(token=token)
+
+    def _check(self, queue: _Queue, task_id: str, token: ClaimToken) -> ClaimToken:
+        """The stored claim ``token`` refers to; errors in the original's order."""
+        current = queue.claims.get(task_id)
+        if current is None:
+            raise token_error(ClaimStatus.NOT_FOUND, token)
+        if current.instance != token.instance:
+            raise token_error(ClaimStatus.STALE, token)
+        if current.owner != token.owner:
+            raise token_error(ClaimStatus.NOT_OWNER, token)
+        return current
+
+    def release(self, token: ClaimToken) -> None:
+        """See :meth:`celery_claims.ClaimManager.release`."""
+        self._release(token, done_ttl_ms=None)
+
+    def _release(self, token: ClaimToken, done_ttl_ms: int | None) -> None:
+        require_token(token)
+        queue = self._queue(token.queue_id)
+        with queue.lock:
+            current = self._check(queue, token.task_id, token)
+            del queue.claims[token.task_id]
+            self._count(queue, acks=1)
+            if done_ttl_ms is not None:
+                now = self._clock()
+                record = AlreadyDone(owner=current.owner, instance=current.instance, done_at=now)
+                queue.done[token.task_id] = (record, now + done_ttl_ms)
+
+    def extend(self, queue_id: str, token: ClaimToken, additional_ms: int) -> ClaimToken:
+        """See :meth:`celery_claims.ClaimManager.extend`."""
+        require_id("queue_id", queue_id)
+        require_token(token)
+        require_ms("additional_ms", additional_ms)
+        queue = self._queue(queue_id)
+        with queue.lock:
+            current = self._check(queue, token.task_id, token)
+            extended = replace(current, expires_at=current.expires_at + additional_ms)
+            queue.claims[token.task_id] = extended
+            return extended
+
+    def is_claimed(self, queue_id: str, task_id: str) -> tuple[str, int] | None:
+        """See :meth:`celery_claims.ClaimManager.is_claimed`."""
+        token = self._live(queue_id, task_id)
+        return None if token is None else (token.owner, token.expires_at)
+
+    def get_token(self, queue_id: str, task_id: str, owner: str) -> ClaimToken | None:
+        """See :meth:`celery_claims.ClaimManager.get_token`."""
+        require_id("owner", owner)
+        token = self._live(queue_id, task_id)
+        return token if token is not None and token.owner == owner else None
+
+    def _live(self, queue_id: str, task_id: str) -> ClaimToken | None:
+        require_id("queue_id", queue_id)
+        require_id("task_id", task_id)
+        queue = self._queue(queue_id)
+        with queue.lock:
+            token = queue.claims.get(task_id)
+            return token if token is not None and self._clock() < token.expires_at else None
+
+    def cleanup_expired(self, *, limit: int | None = None) -> int:
+        """See :meth:`celery_claims.ClaimManager.cleanup_expired`."""
+        budget = require_limit(limit) or 2**62
+        removed = 0
+        for queue in list(self._queues.values()):
+            with queue.lock:
+                now = self._clock()
+                expired = [t for t, tok in queue.claims.items() if now >= tok.expires_at]
+                expired = expired[: max(budget - removed, 0)]
+                for task_id in expired:
+                    del queue.claims[task_id]
+                self._count(queue, expirations=len(expired))
+                removed += len(expired)
+                for task_id in [t for t, (_, until) in queue.done.items() if now >= until]:
+                    del queue.done[task_id]
+        return removed
+
+    def stats(self) -> ClaimStats:
+        """See :meth:`celery_claims.ClaimManager.stats`."""
+        total = ClaimStats()
+        for queue in list(self._queues.values()):
+            with queue.lock:
+                total += queue.stats
+        return total
+
+    def active_claims(self, queue_id: str) -> int:
+        """See :meth:`celery_claims.ClaimManager.active_claims`."""
+        return len(self.list_claims(queue_id))
+
+    def list_claims(self, queue_id: str) -> list[ClaimToken]:
+        """See :meth:`celery_claims.ClaimManager.list_claims`."""
+        require_id("queue_id", queue_id)
+        queue = self._queue(queue_id)
+        with queue.lock:
+            now = self._clock()
+            live = [t for t in queue.claims.values() if now < t.expires_at]
+        return sorted(live, key=lambda t: (t.expires_at, t.task_id))
+
+    # --- additions for the Celery integration ---------------------------------------------
+
+    def claim_unless_done(
+        self, queue_id: str, task_id: str, owner: str, lease_ms: int
+    ) -> GateResult:
+        """See :meth:`celery_claims.ClaimManager.claim_unless_done`."""
+        return self._claim(queue_id, task_id, owner, lease_ms, honour_done=True)
+
+    def complete(self, token: ClaimToken, done_ttl_ms: int) -> None:
+        """See :meth:`celery_claims.ClaimManager.complete`."""
+        require_ms("done_ttl_ms", done_ttl_ms)
+        self._release(token, done_ttl_ms=done_ttl_ms)
+
+    def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | None:
+        """See :meth:`celery_claims.ClaimManager.done_record`."""
+        require_id("queue_id", queue_id)
+        require_id("task_id", task_id)
+        queue = self._queue(queue_id)
+        with queue.lock:
+            return self._live_done(queue, task_id, self._clock())
+
+    def _live_done(self, queue: _Queue, task_id: str, now: int) -> AlreadyDone | None:
+        entry = queue.done.get(task_id)
+        return entry[0] if entry is not None and now < entry[1] else None
+
+    def renew(
+        self, queue_id: str, tokens: Sequence[ClaimToken], lease_ms: int
+    ) -> list[ClaimToken | ClaimTokenError]:
+        """See :meth:`celery_claims.ClaimManager.renew`."""
+        require_id("queue_id", queue_id)
+        checked = require_tokens(tokens)
+        require_ms("lease_ms", lease_ms)
+        queue = self._queue(queue_id)
+        results: list[ClaimToken | ClaimTokenError] = []
+        with queue.lock:
+            now = self._clock()
+            for token in checked:
+                try:
+                    current = self._check(queue, token.task_id, token)
+                except ClaimTokenError as refused:
+                    results.append(refused)
+                    continue
+                renewed = replace(current, expires_at=max(current.expires_at, now + lease_ms))
+                queue.claims[token.task_id] = renewed
+                results.append(renewed)
+        return results

@@ -1,0 +1,349 @@
+"""``RedisClaimManager``: the claim store of record, one Lua script and one round trip per call.
+
+Expiry is judged by the Redis server's clock (``TIME`` inside each script), so every worker
+agrees on it whatever its own clock says; a ``clock=`` callable sends the caller's time instead
+(tests under freezegun). Works with standalone Redis and Redis Cluster clients, with
+``decode_responses`` on or off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from functools import cache
+from importlib import resources
+from typing import Any, TypeAlias
+
+import redis
+import redis.exceptions as redis_errors
+from redis.commands.core import Script
+
+from celery_claims.claims.keys import DEFAULT_PREFIX, QueueKeys, queues_key, require_prefix
+from celery_claims.claims.status import token_error
+from celery_claims.clock import Clock
+from celery_claims.errors import BackendError, BackendUnavailable, ClaimTokenError, InvalidArgument
+from celery_claims.model import (
+    AlreadyClaimed,
+    AlreadyDone,
+    ClaimResult,
+    ClaimStats,
+    ClaimStatus,
+    ClaimToken,
+    GateResult,
+    Success,
+    TookOver,
+)
+from celery_claims.validation import (
+    require_id,
+    require_limit,
+    require_ms,
+    require_token,
+    require_tokens,
+)
+
+__all__ = ["RedisClaimManager", "RedisClient"]
+
+#: A standalone or cluster redis-py client.
+RedisClient: TypeAlias = "redis.Redis | redis.RedisCluster"
+
+#: Expired claims removed per script call by ``cleanup_expired``; bounds each call's run time.
+CLEANUP_BATCH = 500
+
+_SCRIPTS = ("claim", "release", "extend", "renew", "peek", "list", "cleanup", "done")
+
+#: Driver errors that mean "the store could not be reached", as opposed to a bug.
+_UNAVAILABLE: tuple[type[Exception], ...] = (
+    redis_errors.ConnectionError,
+    redis_errors.TimeoutError,
+    redis_errors.ClusterDownError,
+    redis_errors.TryAgainError,
+    redis_errors.ReadOnlyError,
+    redis_errors.MasterDownError,
+)
+
+
+@cache
+def _source(name: str) -> str:
+    lua = resources.files("celery_claims.claims") / "lua"
+    return (lua / "_clock.lua").read_text("utf-8") + "\n" + (lua / f"{name}.lua").read_text("utf-8")
+
+
+@contextlib.contextmanager
+def translate_errors() -> Iterator[None]:
+    """Turn redis-py errors into the package's error tree at the backend boundary."""
+    try:
+        yield
+    except _UNAVAILABLE as exc:
+        raise BackendUnavailable(f"claim store unavailable: {exc}") from exc
+    except redis_errors.RedisError as exc:
+        raise BackendError(f"claim store error: {exc}") from exc
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class RedisClaimManager:
+    """Claim manager backed by Redis (standalone or Cluster).
+
+    Args:
+        url: a ``redis://`` or ``rediss://`` URL; a standalone client is created from it.
+        client: an existing ``redis.Redis`` or ``redis.RedisCluster`` (instead of ``url``).
+        prefix: the first part of every key; must not contain ``{`` or ``}``.
+        clock: returns epoch ms; ``None`` (the default) uses the Redis server's clock.
+
+    Raises:
+        InvalidArgument: neither or both of ``url`` and ``client``, or a bad prefix.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        client: RedisClient | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Clock | None = None,
+    ) -> None:
+        if (url is None) == (client is None):
+            raise InvalidArgument("url", "pass exactly one of url= and client=")
+        if client is None:
+            if not isinstance(url, str) or not url:
+                raise InvalidArgument("url", f"must be a non-empty str, got {url!r:.80}")
+            client = redis.Redis.from_url(url)
+        if clock is not None and not callable(clock):
+            raise InvalidArgument("clock", "must be a callable returning epoch ms, or None")
+        self.client: RedisClient = client
+        self.prefix = require_prefix(prefix)
+        self._clock = clock
+        self._queues_key = queues_key(self.prefix)
+        self._known_queues: set[str] = set()
+        self._scripts: dict[str, Script] = {
+            name: client.register_script(_source(name)) for name in _SCRIPTS
+        }
+
+    def _now(self) -> str:
+        return "" if self._clock is None else str(int(self._clock()))
+
+    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        with translate_errors():
+            return self._scripts[name](keys=keys, args=args)
+
+    def _register(self, queue_id: str) -> None:
+        # The queue set lives in another Cluster slot, so it cannot be written inside the claim
+        # script; it is added once per process, before the first claim (if this fails, nothing
+        # has been claimed yet).
+        if queue_id not in self._known_queues:
+            with translate_errors():
+                self.client.sadd(self._queues_key, queue_id)
+            self._known_queues.add(queue_id)
+
+    def keys(self, queue_id: str) -> QueueKeys:
+        """The key names of ``queue_id`` (for operators and tests)."""
+        return QueueKeys(self.prefix, require_id("queue_id", queue_id))
+
+    # --- the original API -----------------------------------------------------------------
+
+    def claim(self, queue_id: str, task_id: str, owner: str, lease_ms: int) -> ClaimResult:
+        """See :meth:`celery_claims.ClaimManager.claim`."""
+        result = self._claim(queue_id, task_id, owner, lease_ms, honour_done=False)
+        assert not isinstance(result, AlreadyDone)
+        return result
+
+    def _claim(
+        self, queue_id: str, task_id: str, owner: str, lease_ms: int, *, honour_done: bool
+    ) -> GateResult:
+        keys = self.keys(queue_id)
+        require_id("task_id", task_id)
+        require_id("owner", owner)
+        require_ms("lease_ms", lease_ms)
+        self._register(queue_id)
+        reply = self._run(
+            "claim",
+            keys.claim_keys(task_id),
+            [task_id, owner, lease_ms, self._now(), "1" if honour_done else "0"],
+        )
+        return _gate_result(reply, queue_id, task_id, owner)
+
+    def release(self, token: ClaimToken) -> None:
+        """See :meth:`celery_claims.ClaimManager.release`."""
+        self._release(token, "")
+
+    def _release(self, token: ClaimToken, done_ttl: str) -> None:
+        require_token(token)
+        keys = self.keys(token.queue_id)
+        reply = self._run(
+            "release",
+            keys.release_keys(token.task_id),
+            [token.task_id, token.owner, token.instance, done_ttl, self._now()],
+        )
+        status = int(reply[0])
+        if status != ClaimStatus.SUCCESS:
+            raise token_error(status, token)
+
+    def extend(self, queue_id: str, token: ClaimToken, additional_ms: int) -> ClaimToken:
+        """See :meth:`celery_claims.ClaimManager.extend`."""
+        keys = self.keys(queue_id)
+        require_token(token)
+        require_ms("additional_ms", additional_ms)
+        reply = self._run(
+            "extend",
+            [keys.claims, keys.expiries],
+            [token.task_id, token.owner, token.instance, additional_ms],
+        )
+        status = int(reply[0])
+        if status != ClaimStatus.SUCCESS:
+            raise token_error(status, token)
+        return ClaimToken(
+            queue_id, token.task_id, _text(reply[4]), int(reply[1]), int(reply[2]), int(reply[3])
+        )
+
+    def is_claimed(self, queue_id: str, task_id: str) -> tuple[str, int] | None:
+        """See :meth:`celery_claims.ClaimManager.is_claimed`."""
+        token = self._peek(queue_id, task_id)
+        return None if token is None else (token.owner, token.expires_at)
+
+    def get_token(self, queue_id: str, task_id: str, owner: str) -> ClaimToken | None:
+        """See :meth:`celery_claims.ClaimManager.get_token`."""
+        require_id("owner", owner)
+        token = self._peek(queue_id, task_id)
+        return token if token is not None and token.owner == owner else None
+
+    def _peek(self, queue_id: str, task_id: str) -> ClaimToken | None:
+        keys = self.keys(queue_id)
+        require_id("task_id", task_id)
+        reply = self._run("peek", [keys.claims], [task_id, self._now()])
+        if not reply:
+            return None
+        instance, created, expires, owner = reply
+        return ClaimToken(
+            queue_id, task_id, _text(owner), int(instance), int(created), int(expires)
+        )
+
+    def known_queues(self) -> list[str]:
+        """Every queue that has ever been claimed in, sorted."""
+        with translate_errors():
+            members = self.client.smembers(self._queues_key)
+        return sorted(_text(m) for m in members)
+
+    def cleanup_expired(self, *, limit: int | None = None) -> int:
+        """See :meth:`celery_claims.ClaimManager.cleanup_expired`."""
+        budget = require_limit(limit)
+        removed = 0
+        for queue_id in self.known_queues():
+            keys = QueueKeys(self.prefix, queue_id)
+            while budget is None or removed < budget:
+                batch = CLEANUP_BATCH if budget is None else min(CLEANUP_BATCH, budget - removed)
+                count = int(
+                    self._run(
+                        "cleanup", [keys.claims, keys.expiries, keys.stats], [self._now(), batch]
+                    )
+                )
+                removed += count
+                if count < batch:
+                    break
+        return removed
+
+    def stats(self) -> ClaimStats:
+        """See :meth:`celery_claims.ClaimManager.stats`."""
+        total = ClaimStats()
+        for per_queue in self.queue_stats().values():
+            total += per_queue
+        return total
+
+    def queue_stats(self) -> dict[str, ClaimStats]:
+        """The counters of each known queue (two round trips in all)."""
+        queues = self.known_queues()
+        with translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for queue_id in queues:
+                pipe.hgetall(QueueKeys(self.prefix, queue_id).stats)
+            replies = pipe.execute()
+        return {
+            queue_id: ClaimStats(**{_text(k): int(v) for k, v in reply.items()})
+            for queue_id, reply in zip(queues, replies, strict=True)
+        }
+
+    def active_claims(self, queue_id: str) -> int:
+        """See :meth:`celery_claims.ClaimManager.active_claims`."""
+        keys = self.keys(queue_id)
+        return int(self._run("list", [keys.claims, keys.expiries], [self._now(), "count"]))
+
+    def list_claims(self, queue_id: str) -> list[ClaimToken]:
+        """See :meth:`celery_claims.ClaimManager.list_claims`."""
+        keys = self.keys(queue_id)
+        reply = self._run("list", [keys.claims, keys.expiries], [self._now(), "list"])
+        tokens = []
+        for task, entry in zip(reply[::2], reply[1::2], strict=True):
+            instance, created, expires, owner = _text(entry).split(":", 3)
+            tokens.append(
+                ClaimToken(queue_id, _text(task), owner, int(instance), int(created), int(expires))
+            )
+        return tokens
+
+    # --- additions for the Celery integration ---------------------------------------------
+
+    def claim_unless_done(
+        self, queue_id: str, task_id: str, owner: str, lease_ms: int
+    ) -> GateResult:
+        """See :meth:`celery_claims.ClaimManager.claim_unless_done`."""
+        return self._claim(queue_id, task_id, owner, lease_ms, honour_done=True)
+
+    def complete(self, token: ClaimToken, done_ttl_ms: int) -> None:
+        """See :meth:`celery_claims.ClaimManager.complete`."""
+        require_ms("done_ttl_ms", done_ttl_ms)
+        self._release(token, str(done_ttl_ms))
+
+    def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | None:
+        """See :meth:`celery_claims.ClaimManager.done_record`."""
+        keys = self.keys(queue_id)
+        require_id("task_id", task_id)
+        reply = self._run("done", [keys.done(task_id)], [self._now()])
+        if not reply:
+            return None
+        return AlreadyDone(owner=_text(reply[2]), instance=int(reply[0]), done_at=int(reply[1]))
+
+    def renew(
+        self, queue_id: str, tokens: Sequence[ClaimToken], lease_ms: int
+    ) -> list[ClaimToken | ClaimTokenError]:
+        """See :meth:`celery_claims.ClaimManager.renew`."""
+        keys = self.keys(queue_id)
+        checked = require_tokens(tokens)
+        require_ms("lease_ms", lease_ms)
+        if not checked:
+            return []
+        args: list[Any] = [lease_ms, self._now()]
+        for token in checked:
+            args += [token.task_id, token.owner, token.instance]
+        reply = self._run("renew", [keys.claims, keys.expiries], args)
+        results: list[ClaimToken | ClaimTokenError] = []
+        for token, status, expires_at in zip(checked, reply[::2], reply[1::2], strict=True):
+            if int(status) == ClaimStatus.SUCCESS:
+                results.append(
+                    ClaimToken(
+                        queue_id,
+                        token.task_id,
+                        token.owner,
+                        token.instance,
+                        token.created_at,
+                        int(expires_at),
+                    )
+                )
+            else:
+                results.append(token_error(int(status), token))
+        return results
+
+
+def _gate_result(reply: Any, queue_id: str, task_id: str, owner: str) -> GateResult:
+    """Map a claim.lua reply to its result: the one place that reads claim status codes."""
+    status = int(reply[0])
+    if status in (ClaimStatus.SUCCESS, ClaimStatus.TOOK_OVER):
+        _, instance, created, expires, previous = reply
+        token = ClaimToken(queue_id, task_id, owner, int(instance), int(created), int(expires))
+        if status == ClaimStatus.SUCCESS:
+            return Success(token=token)
+        return TookOver(previous_owner=_text(previous), token=token)
+    if status == ClaimStatus.ALREADY_CLAIMED:
+        return AlreadyClaimed(owner=_text(reply[1]), expires_at=int(reply[2]))
+    if status == ClaimStatus.DONE:
+        return AlreadyDone(owner=_text(reply[3]), instance=int(reply[1]), done_at=int(reply[2]))
+    raise BackendError(f"unknown claim status code {status!r} from claim.lua")

@@ -1,0 +1,133 @@
+"""The one error tree of celery-claims.
+
+Every error the package raises derives from :class:`ClaimError` and carries its context as
+attributes, so callers never parse messages. Driver errors (redis-py, SQLAlchemy) are
+translated at the backend boundary into :class:`BackendError` subclasses.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from celery_claims.model import ClaimToken
+
+__all__ = [
+    "BackendError",
+    "BackendUnavailable",
+    "ClaimError",
+    "ClaimNotFound",
+    "ClaimTokenError",
+    "CodecError",
+    "InvalidArgument",
+    "InvalidValueError",
+    "IoError",
+    "LeaseLost",
+    "LeaseRenewalTimedOut",
+    "NotClaimOwner",
+    "StaleClaimToken",
+    "TaskCoreError",
+    "WorkerShutdownRequested",
+]
+
+
+class ClaimError(Exception):
+    """Root of every error raised by celery-claims."""
+
+
+class InvalidArgument(ClaimError, ValueError):
+    """An argument failed validation; nothing was changed.
+
+    Attributes:
+        name: the parameter that was rejected.
+    """
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.name = name
+
+
+class BackendError(ClaimError):
+    """The claim store answered with an error the package did not expect."""
+
+
+class BackendUnavailable(BackendError):
+    """The claim store could not be reached (connection refused, timeout, loading, failover)."""
+
+
+class ClaimTokenError(ClaimError):
+    """A token was refused by ``release`` or ``extend``; nothing was changed.
+
+    Attributes:
+        token: the token that was refused.
+    """
+
+    #: The message of the original implementation, kept verbatim.
+    message = "Claim token refused"
+
+    def __init__(self, token: ClaimToken) -> None:
+        super().__init__(
+            f"{self.message}: queue={token.queue_id!r} task={token.task_id!r} "
+            f"owner={token.owner!r} instance={token.instance}"
+        )
+        self.token = token
+
+
+class ClaimNotFound(ClaimTokenError):
+    """No claim exists for the token's task (released, cleaned up, or never claimed)."""
+
+    message = "Claim not found"
+
+
+class StaleClaimToken(ClaimTokenError):
+    """The claim exists but was re-claimed or taken over since this token was issued."""
+
+    message = "Stale claim token"
+
+
+class NotClaimOwner(ClaimTokenError):
+    """The claim's instance matches but its owner does not (a forged or altered token)."""
+
+    message = "Not claim owner"
+
+
+# --- lanes (the port of the original TaskCoreError) -------------------------------------------
+
+
+class TaskCoreError(ClaimError):
+    """Root of the lane-claiming errors (the original's ``TaskCoreError``)."""
+
+
+class CodecError(TaskCoreError):
+    """A stored task record could not be encoded or decoded."""
+
+
+class InvalidValueError(TaskCoreError, ValueError):
+    """A value is outside what the lane algorithm or a store accepts."""
+
+
+class IoError(TaskCoreError):
+    """The lane store failed to read or write (the storage driver's error is the cause)."""
+
+
+class _LeaseError(TaskCoreError):
+    """A lease-related failure of one processing attempt."""
+
+    def __init__(self, task_id: int, processing_token: int, message: str = "") -> None:
+        super().__init__(
+            message or f"{type(self).__name__}: task {task_id} token {processing_token}"
+        )
+        self.task_id = task_id
+        self.processing_token = processing_token
+
+
+class LeaseLost(_LeaseError):
+    """Another worker now holds the task: this attempt must stop without recording anything."""
+
+
+class LeaseRenewalTimedOut(_LeaseError):
+    """The lease could not be renewed in time; the attempt can no longer prove ownership."""
+
+
+class WorkerShutdownRequested(_LeaseError):
+    """The worker is shutting down; the attempt should stop and leave the task claimable."""
