@@ -1,0 +1,25 @@
+-- Renew the lease of a processing task, if the caller's attempt still holds it.
+-- KEYS[1] = task records hash of the lane               (P:lane:{L}:tasks)
+-- KEYS[2] = processing sorted set of the task's kind    (P:lane:{L}:processing:<kind>)
+-- ARGV[1] = task member (zero-padded id)
+-- ARGV[2] = the attempt's processing token
+-- ARGV[3] = new lease_expires_at, epoch microseconds
+-- returns: {status}  0 OK | 2 NOT_FOUND | 4 TOKEN_MISMATCH | 5 NOT_PROCESSING
+local OK, NOT_FOUND, TOKEN_MISMATCH, NOT_PROCESSING = 0, 2, 4, 5
+
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then
+  return {NOT_FOUND}
+end
+local record = cjson.decode(raw)
+if record.token ~= ARGV[2] then
+  return {TOKEN_MISMATCH}
+end
+if record.status ~= 'processing' then
+  return {NOT_PROCESSING}
+end
+-- An expired lease may be renewed: the unchanged token proves nobody claimed the task since.
+record.lease_expires_at_us = ARGV[3]
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(record))
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+return {OK}

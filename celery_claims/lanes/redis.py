@@ -1,0 +1,402 @@
+"""The Redis lane store: tasks and lane state in Redis, one Lua script per lane claim.
+
+Each lane's keys share the lane's hash tag (see :mod:`celery_claims.lanes.keys`), so every
+script runs on one Redis Cluster slot. ``claim_candidates_for_lane`` is one script and one
+round trip per batch: it recounts the lane's live leases at ``claimed_at``, walks the candidates
+in order and claims each by compare-and-swap until the lane is full.
+
+Times are stored as epoch microseconds, exact in a sorted-set score (below 2**53) and in a
+``datetime``. Tokens are stored and compared as decimal strings, since Lua numbers are doubles
+and cannot hold a 64-bit token. Every redis-py error is raised as
+:class:`~celery_claims.errors.IoError` with the driver error as its ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime, timedelta, timezone
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+
+from celery_claims.errors import CodecError, InvalidValueError, IoError
+from celery_claims.lanes import _validate as check
+from celery_claims.lanes.dispatch import Clock, utc_now
+from celery_claims.lanes.keys import LaneKeys, check_prefix, member, task_index_key
+from celery_claims.lanes.model import (
+    MAX_TASK_ID,
+    ClaimedTask,
+    StoreStatus,
+    TaskClaimCandidate,
+    TaskLaneConfig,
+    TaskRecord,
+    TaskStatus,
+    raise_for_status,
+)
+
+__all__ = ["DEFAULT_PREFIX", "RedisTaskClaimStore"]
+
+#: The default first part of every key the store writes.
+DEFAULT_PREFIX = "claims"
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_MICROSECOND = timedelta(microseconds=1)
+
+RedisClient = redis.Redis | redis.RedisCluster
+
+
+def to_us(value: datetime) -> int:
+    """A tz-aware datetime as integer epoch microseconds (exact)."""
+    return (value - _EPOCH) // _MICROSECOND
+
+
+def from_us(value: int) -> datetime:
+    """Integer epoch microseconds as a UTC datetime (exact)."""
+    return _EPOCH + value * _MICROSECOND
+
+
+def _text(value: object) -> str:
+    # The client may or may not decode responses; the store works either way.
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, str):
+        return value
+    raise CodecError(f"expected a string reply from Redis, got {value!r}")
+
+
+def _load_script(client: RedisClient, name: str) -> Script:
+    source = (
+        resources.files("celery_claims.lanes").joinpath("lua").joinpath(f"{name}.lua").read_text()
+    )
+    return client.register_script(source)
+
+
+@contextlib.contextmanager
+def _driver_errors(operation: str) -> Iterator[None]:
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise IoError(f"redis lane store: {operation} failed: {exc}") from exc
+
+
+def encode_record(record: TaskRecord[str]) -> str:
+    """The JSON form of a task record in a lane's hash (every value a string, see above)."""
+    return json.dumps(
+        {
+            "kind": record.kind,
+            "status": record.status.value,
+            "token": str(record.processing_token),
+            "next_run_at_us": str(to_us(record.next_run_at)),
+            "lease_expires_at_us": (
+                "" if record.lease_expires_at is None else str(to_us(record.lease_expires_at))
+            ),
+            "claimed_at_us": "" if record.claimed_at is None else str(to_us(record.claimed_at)),
+            "payload": record.payload,
+        },
+        separators=(",", ":"),
+    )
+
+
+def decode_record(task_member: object, raw: object) -> TaskRecord[str]:
+    """A task record from its member and the JSON a lane's hash holds.
+
+    Raises:
+        CodecError: the stored record is not one this store wrote.
+    """
+    try:
+        task_id = int(_text(task_member))
+        fields = json.loads(_text(raw))
+        lease = fields["lease_expires_at_us"]
+        claimed = fields["claimed_at_us"]
+        record = TaskRecord(
+            id=task_id,
+            kind=str(fields["kind"]),
+            status=TaskStatus(fields["status"]),
+            processing_token=int(fields["token"]),
+            next_run_at=from_us(int(fields["next_run_at_us"])),
+            lease_expires_at=from_us(int(lease)) if lease else None,
+            claimed_at=from_us(int(claimed)) if claimed else None,
+            payload=str(fields["payload"]),
+        )
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:
+        raise CodecError(f"undecodable lane task record {raw!r}: {exc}") from exc
+    if not 0 <= task_id <= MAX_TASK_ID:
+        raise CodecError(f"lane task member out of range: {task_member!r}")
+    return record
+
+
+class RedisTaskClaimStore:
+    """A lane store in Redis or Redis Cluster.
+
+    Args:
+        url: a Redis URL, for a client the store creates (and closes in :meth:`close`).
+        client: a ``redis.Redis`` or ``redis.RedisCluster`` to use; either decoding mode works.
+        lanes: the lanes the store serves; kinds and lane keys are non-empty ``str``.
+        prefix: the first part of every key (no braces).
+        clock: the time source of ``enqueue``'s default ``next_run_at``.
+
+    Raises:
+        InvalidValueError: on a bad argument (both or neither of ``url`` and ``client``, a kind
+            in two lanes, ...).
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        client: RedisClient | None = None,
+        lanes: Iterable[TaskLaneConfig[str, Any]],
+        prefix: str = DEFAULT_PREFIX,
+        clock: Clock = utc_now,
+    ) -> None:
+        if (url is None) == (client is None):
+            raise InvalidValueError("pass exactly one of url= and client=")
+        self._lanes: check.LaneRegistry[str, Any] = check.LaneRegistry(lanes, str_kinds=True)
+        self.prefix = check_prefix(prefix)
+        self._clock = clock
+        self._owns_client = client is None
+        if client is None:
+            assert url is not None
+            client = redis.Redis.from_url(url)
+        self.client: RedisClient = client
+        self._index = task_index_key(self.prefix)
+        self._enqueue = _load_script(client, "lane_enqueue")
+        self._list = _load_script(client, "lane_list")
+        self._claim = _load_script(client, "lane_claim")
+        self._complete = _load_script(client, "lane_complete")
+        self._retry = _load_script(client, "lane_retry")
+        self._heartbeat = _load_script(client, "lane_heartbeat")
+
+    def close(self) -> None:
+        """Close the client if the store created it from ``url=``."""
+        if self._owns_client:
+            self.client.close()
+
+    def lane_keys(self, lane_key: str) -> LaneKeys:
+        """The keys of the lane named ``lane_key`` (for inspection and tests)."""
+        return LaneKeys(self.prefix, lane_key)
+
+    def _keys_of_kind(self, kind: str) -> LaneKeys:
+        return self.lane_keys(self._lanes.lane_for_kind(kind).lane_key)
+
+    def _locate(self, task_id: int) -> tuple[LaneKeys, str] | None:
+        """The lane keys and kind of a task, from the id index; ``None`` for an unknown id."""
+        with _driver_errors("task lookup"):
+            raw = self.client.hget(self._index, str(task_id))
+        if raw is None:
+            return None
+        try:
+            lane_key, kind = json.loads(_text(raw))
+        except (ValueError, TypeError) as exc:
+            raise CodecError(f"undecodable lane index entry {raw!r} for task {task_id}") from exc
+        return self.lane_keys(str(lane_key)), str(kind)
+
+    # --- producer and worker operations ---------------------------------------------------
+
+    def enqueue(
+        self,
+        task_id: int,
+        kind: str,
+        *,
+        next_run_at: datetime | None = None,
+        payload: str = "",
+    ) -> TaskRecord[str]:
+        """Add a pending task; see :meth:`MemoryTaskClaimStore.enqueue`.
+
+        Two round trips: the id index (another slot) first, then the lane's script. An
+        enqueue interrupted between them leaves only the index entry, and repeating it
+        completes it.
+        """
+        check.task_id(task_id)
+        lane = self._lanes.lane_for_kind(kind)
+        due = check.utc("next_run_at", self._clock() if next_run_at is None else next_run_at)
+        if not isinstance(payload, str):
+            raise InvalidValueError(f"payload must be a str, got {type(payload).__name__}")
+        record = TaskRecord(task_id, kind, TaskStatus.PENDING, 0, due, payload=payload)
+        keys = self.lane_keys(lane.lane_key)
+        entry = json.dumps([lane.lane_key, kind])
+        with _driver_errors("enqueue"):
+            if not self.client.hsetnx(self._index, str(task_id), entry):
+                existing = self.client.hget(self._index, str(task_id))
+                if existing is None or _text(existing) != entry:
+                    raise_for_status(StoreStatus.EXISTS, task_id=task_id)
+            reply = self._enqueue(
+                keys=[keys.tasks, keys.due(kind)],
+                args=[member(task_id), encode_record(record), to_us(due)],
+            )
+        raise_for_status(_status(reply), task_id=task_id)
+        return record
+
+    def get_task(self, task_id: int) -> TaskRecord[str] | None:
+        """The task with this id, or ``None``."""
+        check.task_id(task_id)
+        located = self._locate(task_id)
+        if located is None:
+            return None
+        keys, _ = located
+        with _driver_errors("get_task"):
+            raw = self.client.hget(keys.tasks, member(task_id))
+        return None if raw is None else decode_record(member(task_id), raw)
+
+    def complete(self, task_id: int, processing_token: int) -> bool:
+        """Mark the task done; see :meth:`MemoryTaskClaimStore.complete`."""
+        check.task_id(task_id)
+        check.token(processing_token)
+        located = self._locate(task_id)
+        if located is None:
+            return raise_for_status(StoreStatus.NOT_FOUND, task_id=task_id)
+        keys, kind = located
+        with _driver_errors("complete"):
+            reply = self._complete(
+                keys=[keys.tasks, keys.processing(kind)],
+                args=[member(task_id), str(processing_token)],
+            )
+        return raise_for_status(_status(reply), task_id=task_id, processing_token=processing_token)
+
+    def retry(self, task_id: int, processing_token: int, *, next_run_at: datetime) -> None:
+        """Give the task back for another attempt; see :meth:`MemoryTaskClaimStore.retry`."""
+        check.task_id(task_id)
+        check.token(processing_token)
+        due = check.utc("next_run_at", next_run_at)
+        located = self._locate(task_id)
+        if located is None:
+            raise_for_status(StoreStatus.NOT_FOUND, task_id=task_id)
+            return
+        keys, kind = located
+        with _driver_errors("retry"):
+            reply = self._retry(
+                keys=[keys.tasks, keys.due(kind), keys.processing(kind)],
+                args=[member(task_id), str(processing_token), to_us(due)],
+            )
+        raise_for_status(_status(reply), task_id=task_id, processing_token=processing_token)
+
+    def heartbeat(self, task_id: int, processing_token: int, *, lease_expires_at: datetime) -> None:
+        """Renew the attempt's lease; see :meth:`MemoryTaskClaimStore.heartbeat`."""
+        check.task_id(task_id)
+        check.token(processing_token)
+        lease = check.utc("lease_expires_at", lease_expires_at)
+        located = self._locate(task_id)
+        if located is None:
+            raise_for_status(StoreStatus.NOT_FOUND, task_id=task_id)
+            return
+        keys, kind = located
+        with _driver_errors("heartbeat"):
+            reply = self._heartbeat(
+                keys=[keys.tasks, keys.processing(kind)],
+                args=[member(task_id), str(processing_token), to_us(lease)],
+            )
+        raise_for_status(_status(reply), task_id=task_id, processing_token=processing_token)
+
+    def count_unfinished(self, kinds: Sequence[str]) -> int:
+        """How many tasks of ``kinds`` are pending, retry or processing."""
+        wanted = self._lanes.check_kinds(kinds)
+        with _driver_errors("count_unfinished"):
+            pipe = self.client.pipeline(transaction=False)
+            for kind in wanted:
+                keys = self._keys_of_kind(kind)
+                pipe.zcard(keys.due(kind))
+                pipe.zcard(keys.processing(kind))
+            return sum(int(n) for n in pipe.execute())
+
+    # --- TaskClaimStore ---------------------------------------------------------------------
+
+    def list_claimable_by_kinds(
+        self, now: datetime, stale_before: datetime, kinds: Sequence[str], limit: int
+    ) -> list[TaskRecord[str]]:
+        """List at most ``limit`` claimable tasks of ``kinds``, most overdue first.
+
+        One script per lane the kinds belong to (one in the usual case of a lane's own kinds).
+        """
+        at, _ = check.listing_times(now, stale_before)
+        wanted = self._lanes.check_kinds(kinds)
+        count = check.non_negative_int("limit", limit)
+        if count == 0:
+            return []
+        by_lane: dict[str, list[str]] = {}
+        for kind in dict.fromkeys(wanted):
+            by_lane.setdefault(self._lanes.lane_for_kind(kind).lane_key, []).append(kind)
+        found: list[TaskRecord[str]] = []
+        for lane_key, lane_kinds in by_lane.items():
+            keys = self.lane_keys(lane_key)
+            with _driver_errors("list_claimable_by_kinds"):
+                reply = self._list(
+                    keys=[
+                        keys.tasks,
+                        *(keys.due(kind) for kind in lane_kinds),
+                        *(keys.processing(kind) for kind in lane_kinds),
+                    ],
+                    args=[to_us(at), count],
+                )
+            found.extend(decode_record(reply[i], reply[i + 1]) for i in range(0, len(reply), 2))
+        found.sort(key=lambda task: (task.due_at(), task.id))
+        return found[:count]
+
+    def count_active_processing_by_kinds(self, now: datetime, kinds: Sequence[str]) -> int:
+        """Count the tasks of ``kinds`` whose lease is live at ``now``."""
+        at = check.utc("now", now)
+        wanted = self._lanes.check_kinds(kinds)
+        after = f"({to_us(at)}"
+        with _driver_errors("count_active_processing_by_kinds"):
+            pipe = self.client.pipeline(transaction=False)
+            for kind in dict.fromkeys(wanted):
+                pipe.zcount(self._keys_of_kind(kind).processing(kind), after, "+inf")
+            return sum(int(n) for n in pipe.execute())
+
+    def claim_candidates_for_lane(
+        self,
+        lane_config: TaskLaneConfig[str, Any],
+        candidates: Sequence[TaskClaimCandidate],
+        stale_before: datetime,
+        claimed_at: datetime,
+        lease_expires_at: datetime,
+    ) -> list[ClaimedTask]:
+        """Claim candidates in order until the lane is full: one script, one round trip.
+
+        Raises:
+            InvalidValueError: on a bad argument, a lane this store does not serve, or a
+                candidate that is not a task of the lane; nothing is claimed.
+            IoError: Redis failed.
+        """
+        lane = self._lanes.registered(lane_config)
+        checked = check.candidates(candidates)
+        _, at, lease = check.claim_window(stale_before, claimed_at, lease_expires_at)
+        if not checked:
+            return []
+        keys = self.lane_keys(lane.lane_key)
+        args: list[str | int] = [to_us(at), to_us(lease), lane_config.limit, len(lane.kinds)]
+        args.extend(lane.kinds)
+        for candidate in checked:
+            args.extend(
+                (
+                    member(candidate.task_id),
+                    str(candidate.expected_processing_token),
+                    str(candidate.next_processing_token),
+                )
+            )
+        with _driver_errors("claim_candidates_for_lane"):
+            reply = self._claim(
+                keys=[
+                    keys.tasks,
+                    *(keys.due(kind) for kind in lane.kinds),
+                    *(keys.processing(kind) for kind in lane.kinds),
+                ],
+                args=args,
+            )
+        status = _status(reply)
+        # On NOT_FOUND the script names the position of the candidate it refused.
+        failed = -1
+        if status == StoreStatus.NOT_FOUND and len(reply) > 1:
+            failed = checked[int(reply[1]) - 1].task_id
+        raise_for_status(status, task_id=failed, lane=lane.lane)
+        claimed = [checked[int(position) - 1] for position in reply[1:]]
+        return [ClaimedTask(c.index, c.task_id, c.next_processing_token) for c in claimed]
+
+
+def _status(reply: object) -> int:
+    if not isinstance(reply, list) or not reply or not isinstance(reply[0], int):
+        raise CodecError(f"unexpected lane script reply {reply!r}")
+    return reply[0]
