@@ -403,9 +403,10 @@ class SqlTaskClaimStore:
         with _driver_errors("claim_candidates_for_lane"), self.engine.begin() as conn:
             self._lock_lane(conn, lane.lane_key)
             ids = sorted({candidate.task_id for candidate in checked})
-            kinds_by_id = dict(
-                conn.execute(sa.select(t.id, t.kind).where(t.id.in_(ids))).tuples().all()
-            )
+            kinds_by_id = {
+                row.id: row.kind
+                for row in conn.execute(sa.select(t.id, t.kind).where(t.id.in_(ids)))
+            }
             for candidate in checked:
                 if kinds_by_id.get(candidate.task_id) not in lane.kinds:
                     # Raised inside the transaction: it rolls back, nothing was written.
