@@ -1,0 +1,35 @@
+"""The Celery integration: ``install(app)``, the claim gate, the lease keeper, signals.
+
+Only this subpackage imports Celery; the claim core does not.
+"""
+
+from celery_claims.worker.install import install
+from celery_claims.worker.keeper import ActiveClaim, ClaimsRuntime
+from celery_claims.worker.settings import ClaimsSettings, load_settings
+from celery_claims.worker.signals import (
+    Counters,
+    claim_acquired,
+    lease_lost,
+    task_held,
+    task_skipped,
+)
+from celery_claims.worker.tasks import CLEANUP_TASK_NAME
+
+__all__ = [
+    # installation
+    "install",
+    # settings
+    "ClaimsSettings",
+    "load_settings",
+    # run-time state
+    "ActiveClaim",
+    "ClaimsRuntime",
+    "Counters",
+    # signals
+    "claim_acquired",
+    "lease_lost",
+    "task_held",
+    "task_skipped",
+    # names
+    "CLEANUP_TASK_NAME",
+]

@@ -1,0 +1,385 @@
+"""The claim gate: a consumer bootstep that claims every request before the pool runs it.
+
+The gate wraps ``consumer.on_task_request`` in the bootstep's ``__init__``. Every path into
+the pool goes through that attribute (immediate requests through the task strategy, ETA
+requests through ``apply_eta_task``, rate-limited ones through ``_limit_move_to_pool``), it
+runs in the worker's main process, and it is set before the strategies capture it, so the
+wrapper survives connection restarts. Outcomes:
+
+- acquired (``Success``/``TookOver``): wrap the request's ``on_success``/``on_failure``/
+  ``on_timeout``/``execute_using_pool`` so completion or release happens exactly once, then
+  hand it to the pool;
+- done (``AlreadyDone``): acknowledge without running; the stored result is left alone;
+- held (``AlreadyClaimed``) or the store unreachable (``BackendUnavailable``): keep the message
+  unacked and check again on a timer, raising the prefetch like Celery does for ETA tasks.
+  Acking a copy of a task that is held elsewhere would lose the task if the holder then died
+  (a Redis broker *moves* the message on restore), so a held copy is only ever acked once the
+  holder has recorded completion, or run once the holder's lease has expired.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from celery import bootsteps
+from celery.exceptions import Ignore, Reject, Retry, TaskRevokedError
+from celery.utils.log import get_logger
+from celery.worker.state import task_ready
+
+from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
+from celery_claims.model import AlreadyClaimed, AlreadyDone, Success, TookOver
+from celery_claims.worker import signals
+from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
+from celery_claims.worker.keeper import ActiveClaim, ClaimsRuntime, Delivery, HeldCopy
+from celery_claims.worker.settings import ClaimsSettings
+
+__all__ = ["ClaimGate", "Gate", "check_task_policies", "is_exempt"]
+
+logger = get_logger("celery_claims.worker")
+
+#: Task name prefixes the gate never claims: Celery's own tasks and this package's.
+EXEMPT_PREFIXES = ("celery.", "celery_claims.")
+
+#: Exceptions that end an attempt with a successor message (or none needed): record done.
+#: ``Retry`` has published the next attempt; ``Ignore`` is what ``Task.replace`` raises after
+#: publishing the replacement (and a task raising it asks for no re-run).
+_DONE_EXCEPTIONS = (Retry, Ignore)
+
+
+def is_exempt(task: Any, name: str) -> bool:
+    """True if the gate lets ``task`` through unclaimed (Celery's tasks, ours, opt-outs)."""
+    if name.startswith(EXEMPT_PREFIXES):
+        return True
+    return getattr(task, "claims", True) is False
+
+
+def check_task_policies(app: Any, settings: ClaimsSettings) -> None:
+    """Validate the per-task ``claims`` and ``claims_lease_ms`` attributes of every task.
+
+    Raises:
+        InvalidArgument: an attribute has the wrong type or an unusable value.
+    """
+    for name, task in sorted(app.tasks.items()):
+        flag = getattr(task, "claims", True)
+        if not isinstance(flag, bool):
+            raise InvalidArgument(f"{name}.claims", f"must be True or False, got {flag!r:.80}")
+        lease = getattr(task, "claims_lease_ms", None)
+        if lease is not None:
+            settings.check_task_lease(name, lease)
+
+
+def _unwrap(exc: BaseException | None) -> BaseException | None:
+    # the prefork pool sends exceptions back wrapped for pickling
+    inner = getattr(exc, "exc", None)
+    if type(exc).__name__ == "ExceptionWithTraceback" and isinstance(inner, BaseException):
+        return inner
+    return exc
+
+
+class ClaimGate:
+    """Claims each request before the pool runs it (see the module docstring).
+
+    Args:
+        consumer: the worker's ``Consumer``.
+        runtime: the worker's claim state (``worker.claims``).
+        inner: the original ``on_task_request``.
+    """
+
+    def __init__(self, consumer: Any, runtime: ClaimsRuntime, inner: Callable[[Any], Any]):
+        self.consumer = consumer
+        self.runtime = runtime
+        self.inner = inner
+        self.settings = runtime.settings
+        self.queues = QueueResolver(consumer.app)
+        self._leases: dict[str, int] = {}
+
+    # --- entry point ------------------------------------------------------------------------
+
+    def __call__(self, request: Any) -> Any:
+        """The wrapped ``on_task_request``."""
+        if is_exempt(request.task, request.name):
+            return self.inner(request)
+        self._admit(request, owner=new_owner(self.runtime.hostname), held=None)
+        return None
+
+    def _lease_ms(self, request: Any) -> int:
+        name = request.name
+        lease = self._leases.get(name)
+        if lease is None:
+            lease = self.settings.lease_ms
+            raw = getattr(request.task, "claims_lease_ms", None)
+            if raw is not None:
+                try:
+                    lease = self.settings.check_task_lease(name, raw)
+                except InvalidArgument as exc:
+                    # tasks registered after start were not validated then; a bad value must
+                    # not stop the worker, so the default lease applies
+                    logger.error("%s; using claims_lease_ms=%d", exc, lease)
+            self._leases[name] = lease
+        return lease
+
+    def _admit(self, request: Any, *, owner: str, held: HeldCopy | None) -> None:
+        queue_id = self.queues.queue_of(request.delivery_info)
+        attempt = attempt_of(request.request_dict)
+        task_key = claim_task_id(request.id, attempt)
+        claim_id = f"{queue_id}/{task_key}"
+        lease_ms = self._lease_ms(request)
+        try:
+            result = self.runtime.manager.claim_unless_done(queue_id, task_key, owner, lease_ms)
+        except BackendUnavailable as exc:
+            self._hold(request, owner, held, "unavailable", claim_id, None, exc)
+            return
+        except ClaimError as exc:
+            # an unexpected store reply: never run unclaimed, never drop; retry like an outage
+            logger.exception("Claim %s: claim store error", claim_id)
+            self._hold(request, owner, held, "unavailable", claim_id, None, exc)
+            return
+
+        if isinstance(result, (Success, TookOver)):
+            self._release_hold(held)
+            self._run(request, result, lease_ms, claim_id)
+        elif isinstance(result, AlreadyDone):
+            self._release_hold(held)
+            self._skip_done(request, result, claim_id)
+        elif isinstance(result, AlreadyClaimed):
+            self._hold(request, owner, held, "held", claim_id, result.owner, None)
+        else:  # pragma: no cover - the result union is closed
+            raise AssertionError(f"unexpected claim result {result!r}")
+
+    # --- acquired ---------------------------------------------------------------------------
+
+    def _run(self, request: Any, result: Success | TookOver, lease_ms: int, claim_id: str) -> None:
+        runtime = self.runtime
+        took_over = isinstance(result, TookOver)
+        claim = ActiveClaim(
+            token=result.token,
+            claim_id=claim_id,
+            lease_ms=lease_ms,
+            request=request,
+            delivery=Delivery.of(request.message) if self.settings.refresh_unacked else None,
+        )
+        runtime.track(claim)
+        runtime.counters.incr("took_over" if took_over else "acquired")
+        if isinstance(result, TookOver):
+            logger.info(
+                "Claim %s: took over from %s (instance %d)",
+                claim_id,
+                result.previous_owner,
+                claim.instance,
+            )
+        request.claim = claim
+        self._wrap(request, claim)
+        signals.claim_acquired.send(
+            sender=request.task, request=request, token=claim.token, took_over=took_over
+        )
+        self.inner(request)
+
+    def _wrap(self, request: Any, claim: ActiveClaim) -> None:
+        # Instance attributes: Celery's generated Request subclass overrides these methods on
+        # the class, but the pool call looks them up on the instance at dispatch time.
+        finish = self.runtime.finish
+        on_success = request.on_success
+        on_failure = request.on_failure
+        on_timeout = request.on_timeout
+        execute_using_pool = request.execute_using_pool
+
+        def claims_on_success(failed__retval__runtime: Any, **kwargs: Any) -> Any:
+            if not failed__retval__runtime[0]:
+                _guard(finish, claim, done=True, why="succeeded")
+            # a failed trace goes on to request.on_failure, which is wrapped too
+            return on_success(failed__retval__runtime, **kwargs)
+
+        def claims_on_failure(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
+            exc = _unwrap(getattr(exc_info, "exception", None))
+            if isinstance(exc, _DONE_EXCEPTIONS):
+                _guard(finish, claim, done=True, why=type(exc).__name__.lower())
+            elif isinstance(exc, Reject):
+                _guard(finish, claim, done=False, why="rejected")
+            else:
+                _guard(finish, claim, done=False, why=f"failed ({type(exc).__name__})")
+            return on_failure(exc_info, *args, **kwargs)
+
+        def claims_on_timeout(soft: bool, timeout: Any) -> Any:
+            if not soft:
+                _guard(finish, claim, done=False, why="hard time limit")
+            return on_timeout(soft, timeout)
+
+        def claims_execute_using_pool(pool: Any, **kwargs: Any) -> Any:
+            claim.dispatched = True
+            try:
+                return execute_using_pool(pool, **kwargs)
+            except TaskRevokedError:
+                # revoked before it ran: Celery acks it without calling any callback
+                self.runtime.counters.incr("revoked_released")
+                _guard(finish, claim, done=False, why="revoked")
+                raise
+
+        request.on_success = claims_on_success
+        request.on_failure = claims_on_failure
+        request.on_timeout = claims_on_timeout
+        request.execute_using_pool = claims_execute_using_pool
+
+    # --- done -------------------------------------------------------------------------------
+
+    def _skip_done(self, request: Any, record: AlreadyDone, claim_id: str) -> None:
+        self.runtime.counters.incr("skipped_done")
+        logger.info(
+            "Skipped %s[%s]: claim %s already done by %s (instance %d); acked without running",
+            request.name,
+            request.id,
+            claim_id,
+            record.owner,
+            record.instance,
+        )
+        # only the message goes: the result the first run stored stays as it is
+        request.acknowledge()
+        task_ready(request)
+        signals.task_skipped.send(
+            sender=request.task, request=request, reason="done", claim_id=claim_id, record=record
+        )
+
+    # --- held -------------------------------------------------------------------------------
+
+    def _hold(
+        self,
+        request: Any,
+        owner: str,
+        held: HeldCopy | None,
+        reason: str,
+        claim_id: str,
+        holder: str | None,
+        error: BaseException | None,
+    ) -> None:
+        runtime = self.runtime
+        settings = self.settings
+        first = held is None
+        if held is None:
+            held = HeldCopy(
+                request=request,
+                owner=owner,
+                reason=reason,
+                qos=self.consumer.qos,
+                delivery=Delivery.of(request.message) if settings.refresh_unacked else None,
+            )
+            # a held message keeps its prefetch slot: give the slot back, as Celery does for
+            # ETA requests, so the rest of the queue keeps flowing
+            held.qos.increment_eventually()
+            runtime.hold(held)
+        changed = held.reason != reason
+        held.reason = reason
+        if reason == "unavailable":
+            held.delay_ms = (
+                settings.unavailable_retry_ms
+                if first or changed or held.delay_ms == 0
+                else min(held.delay_ms * 2, settings.unavailable_retry_max_ms)
+            )
+        else:
+            held.delay_ms = settings.held_recheck_ms
+        recheck_s = held.delay_ms / 1000
+        if first or changed:
+            runtime.counters.incr("held_unavailable" if reason == "unavailable" else "held")
+            if reason == "unavailable":
+                logger.warning(
+                    "Held %s[%s]: claim store unavailable (%s); not run, retrying in %.1f s",
+                    request.name,
+                    request.id,
+                    error,
+                    recheck_s,
+                )
+            else:
+                logger.info(
+                    "Held %s[%s]: claim %s is held by %s; kept unacked, re-checking every %.1f s",
+                    request.name,
+                    request.id,
+                    claim_id,
+                    holder,
+                    recheck_s,
+                )
+            signals.task_held.send(
+                sender=request.task,
+                request=request,
+                reason=reason,
+                claim_id=claim_id,
+                holder=holder,
+                recheck_s=recheck_s,
+            )
+        else:
+            runtime.counters.incr("rechecks")
+        held.timer_entry = self.consumer.timer.call_after(
+            recheck_s, self._recheck, (held,), priority=6
+        )
+
+    def _recheck(self, held: HeldCopy) -> None:
+        if held not in self.runtime.held_copies():
+            return  # dropped by a connection restart: the broker redelivers it
+        try:
+            self._admit(held.request, owner=held.owner, held=held)
+        except Exception:
+            # never lose the copy to a bug: keep holding and try again later
+            logger.exception("Claim gate re-check of %s failed", held.request.id)
+            held.timer_entry = self.consumer.timer.call_after(
+                self.settings.held_recheck_ms / 1000, self._recheck, (held,), priority=6
+            )
+
+    def _release_hold(self, held: HeldCopy | None) -> None:
+        if held is not None and self.runtime.unhold(held):
+            held.qos.decrement_eventually()
+
+    # --- connection restarts and shutdown ---------------------------------------------------
+
+    def drop_connection_state(self) -> None:
+        """Forget what belongs to the closing connection (reentrant, no logging).
+
+        Held copies cannot be acked on a new channel and the broker redelivers them, so their
+        timers are cancelled and they are dropped. Claims of requests that never reached the
+        pool (Celery drops its queued requests on close) are released, so the redelivered
+        copies do not wait for a lease nobody will finish.
+        """
+        runtime = self.runtime
+        for held in runtime.held_copies():
+            if runtime.unhold(held) and held.timer_entry is not None:
+                # stop must neither raise nor log (it may run while the worker shuts down)
+                with contextlib.suppress(Exception):
+                    self.consumer.timer.cancel(held.timer_entry)
+        for claim in runtime.live_claims():
+            claim.delivery = None
+            if not claim.dispatched:
+                with contextlib.suppress(Exception):
+                    runtime.finish(claim, done=False, why="connection closed before it ran")
+
+
+def _guard(finish: Callable[..., None], claim: ActiveClaim, *, done: bool, why: str) -> None:
+    # a bug or an outage here must never break Celery's own callback (ack, result, events)
+    try:
+        finish(claim, done=done, why=why)
+    except Exception:
+        logger.exception("Claim %s: completion handling failed", claim.claim_id)
+
+
+class Gate(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
+    """Consumer bootstep installing the :class:`ClaimGate` (written like Celery's ``Heart``)."""
+
+    label = "Claim gate"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        runtime = getattr(getattr(c, "controller", None), "claims", None)
+        self.gate: ClaimGate | None = None
+        c.claim_gate = None
+        if isinstance(runtime, ClaimsRuntime):
+            # wrapped here, before the Tasks step builds the strategies that capture it
+            self.gate = ClaimGate(c, runtime, c.on_task_request)
+            c.on_task_request = self.gate
+            c.claim_gate = self.gate
+        super().__init__(c, **kwargs)
+
+    def start(self, c: Any) -> None:
+        pass
+
+    def stop(self, c: Any) -> None:
+        if self.gate is not None:
+            self.gate.drop_connection_state()
+
+    shutdown = stop

@@ -1,0 +1,40 @@
+"""``install(app)``: make a Celery app claim-aware, no Task base class needed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_claims.worker.gate import Gate
+from celery_claims.worker.keeper import LeaseKeeper
+from celery_claims.worker.settings import add_worker_options
+from celery_claims.worker.tasks import connect_schedule, register_cleanup_task
+
+__all__ = ["install"]
+
+#: Attribute set on an app once ``install`` has run, so a second call changes nothing.
+_INSTALLED = "_celery_claims_installed"
+
+
+def install(app: Any) -> Any:
+    """Make every worker of ``app`` claim each task before running it.
+
+    Adds the lease keeper (worker bootstep) and the claim gate (consumer bootstep), the
+    ``--claims-*`` worker options, the ``celery_claims.cleanup_expired`` task and its beat
+    entry. Idempotent. Settings are read and validated when a worker starts, so ``install``
+    can run before the app is configured.
+
+    Args:
+        app: the Celery app.
+
+    Returns:
+        ``app``, for chaining.
+    """
+    if getattr(app, _INSTALLED, False):
+        return app
+    app.steps["worker"].add(LeaseKeeper)
+    app.steps["consumer"].add(Gate)
+    add_worker_options(app)
+    register_cleanup_task(app)
+    connect_schedule(app)
+    setattr(app, _INSTALLED, True)
+    return app

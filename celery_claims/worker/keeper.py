@@ -1,0 +1,427 @@
+"""The lease keeper: one thread per worker renewing every live claim, batched per queue.
+
+The keeper lives in the worker's main process. It is a thread rather than a timer entry
+because the solo pool runs tasks inside the event loop, which would stop a timer from firing
+exactly while a long task needs its lease renewed. Each beat it:
+
+1. renews every live claim with one ``renew`` round trip per (queue, lease), and fences the
+   requests whose renewal was refused (their lease was lost: another worker took over);
+2. retries completions that could not be recorded because the claim store was unreachable;
+3. with the Redis broker, refreshes the score of every claimed or held delivery in kombu's
+   ``unacked_index``, so kombu does not restore a message whose holder is alive (a dead
+   holder stops refreshing, and its message is restored after ``visibility_timeout``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from celery import bootsteps
+from celery.utils.log import get_logger
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
+from celery_claims.model import ClaimToken
+from celery_claims.worker import signals
+from celery_claims.worker.settings import WORKER_OPTION_NAMES, ClaimsSettings, load_settings
+from celery_claims.worker.signals import Counters
+
+__all__ = ["ActiveClaim", "ClaimsRuntime", "Delivery", "HeldCopy", "LeaseKeeper", "new_manager"]
+
+logger = get_logger("celery_claims.worker")
+
+#: Seconds a stopping keeper goes on renewing claims of tasks that are still finishing
+#: (a warm shutdown stops this step before the pool has drained).
+STOP_GRACE_S = 600.0
+
+
+def new_manager(settings: ClaimsSettings) -> RedisClaimManager:
+    """A claim manager for ``settings``, with timeouts fit for the worker's event loop.
+
+    redis-py's default retry policy sleeps between attempts; the gate runs in the event loop
+    and has its own backoff, so a call fails fast instead (one immediate retry, for a
+    connection dropped by an idle timeout).
+    """
+    timeout_s = settings.socket_timeout_ms / 1000
+    client = redis.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1),
+        health_check_interval=30,
+    )
+    return RedisClaimManager(client=client, prefix=settings.prefix)
+
+
+@dataclass(eq=False)
+class Delivery:
+    """A Redis broker delivery whose ``unacked_index`` score the keeper refreshes.
+
+    Attributes:
+        channel: the kombu Redis channel the message was delivered on.
+        tag: the delivery tag (the member of ``unacked_index``).
+    """
+
+    channel: Any
+    tag: str
+
+    @classmethod
+    def of(cls, message: Any) -> Delivery | None:
+        """The delivery of ``message`` if it came from kombu's Redis transport, else None."""
+        channel = getattr(message, "channel", None)
+        tag = getattr(message, "delivery_tag", None)
+        # duck-typed: kombu's Redis channel is the one with an unacked index and a client
+        # factory; AMQP channels have neither and need no refresh (they redeliver on close)
+        if tag is None or not hasattr(channel, "unacked_index_key"):
+            return None
+        if not callable(getattr(channel, "conn_or_acquire", None)):
+            return None
+        return cls(channel, str(tag))
+
+
+@dataclass(eq=False)
+class ActiveClaim:
+    """A claim this worker holds for one request, from the gate until completion or release.
+
+    Attributes:
+        token: the latest token (``expires_at`` is updated by each renewal).
+        claim_id: ``queue/task:attempt`` for logs.
+        lease_ms: the lease renewals extend to.
+        request: the worker's ``Request``.
+        delivery: its Redis delivery, if the broker is Redis.
+        fenced: the lease was lost; success must not be recorded as done.
+        finished: completion or release has run (exactly once).
+        dispatched: handed to the pool (``execute_using_pool`` was called).
+        completing: success seen but ``complete`` is pending (the store was unreachable).
+    """
+
+    token: ClaimToken
+    claim_id: str
+    lease_ms: int
+    request: Any
+    delivery: Delivery | None = None
+    fenced: bool = False
+    finished: bool = False
+    dispatched: bool = False
+    completing: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def instance(self) -> int:
+        """The fencing number of the claim."""
+        return self.token.instance
+
+
+@dataclass(eq=False)
+class HeldCopy:
+    """A delivery the gate keeps unacked (another lease is live, or the store is down).
+
+    Attributes:
+        request: the worker's ``Request``.
+        owner: the owner string used for every claim attempt of this copy.
+        reason: ``"held"`` or ``"unavailable"``.
+        qos: the consumer's QoS whose prefetch was raised for this copy.
+        delivery: its Redis delivery, if the broker is Redis.
+        timer_entry: the pending re-check.
+        delay_ms: the current back-off delay (``unavailable`` only).
+    """
+
+    request: Any
+    owner: str
+    reason: str
+    qos: Any
+    delivery: Delivery | None = None
+    timer_entry: Any = None
+    delay_ms: int = 0
+
+
+class ClaimsRuntime:
+    """The claim state of one worker: settings, manager, counters, live claims, held copies.
+
+    Reachable as ``worker.claims`` (the ``WorkController``) and from the consumer as
+    ``consumer.controller.claims``.
+
+    Args:
+        app: the Celery app.
+        settings: the validated settings.
+        hostname: the worker's node name (the first part of every owner string).
+        manager: a claim manager (default: a ``RedisClaimManager`` for ``settings``).
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        settings: ClaimsSettings,
+        hostname: str,
+        manager: RedisClaimManager | None = None,
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.hostname = hostname
+        self.manager = manager if manager is not None else new_manager(settings)
+        self.counters = Counters()
+        self._lock = threading.Lock()
+        self._claims: dict[int, ActiveClaim] = {}
+        self._held: dict[int, HeldCopy] = {}
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop_at: float | None = None
+        self._unavailable_since: float | None = None
+
+    # --- registry ---------------------------------------------------------------------------
+
+    def track(self, claim: ActiveClaim) -> None:
+        """Start renewing ``claim``."""
+        with self._lock:
+            self._claims[id(claim)] = claim
+
+    def untrack(self, claim: ActiveClaim) -> None:
+        """Stop renewing ``claim``."""
+        with self._lock:
+            self._claims.pop(id(claim), None)
+
+    def hold(self, held: HeldCopy) -> None:
+        """Start refreshing a held copy's delivery."""
+        with self._lock:
+            self._held[id(held)] = held
+
+    def unhold(self, held: HeldCopy) -> bool:
+        """Stop tracking a held copy; False if it was not tracked (already resolved)."""
+        with self._lock:
+            return self._held.pop(id(held), None) is not None
+
+    def live_claims(self) -> list[ActiveClaim]:
+        """The claims being renewed right now."""
+        with self._lock:
+            return list(self._claims.values())
+
+    def held_copies(self) -> list[HeldCopy]:
+        """The copies held right now."""
+        with self._lock:
+            return list(self._held.values())
+
+    # --- completion -------------------------------------------------------------------------
+
+    def finish(self, claim: ActiveClaim, *, done: bool, why: str) -> None:
+        """Record ``claim`` done (``done=True``) or release it, exactly once.
+
+        Safe to call from any thread and any number of times: a hard time limit reaches the
+        failure path twice, and a failure can follow a success callback.
+
+        Args:
+            claim: the claim.
+            done: record completion (success, retry, replace) rather than release.
+            why: what ended the attempt, for the log.
+        """
+        with claim.lock:
+            if claim.finished:
+                return
+            claim.finished = True
+        if claim.fenced:
+            # another worker holds the task now: writing anything would overwrite its claim
+            self.untrack(claim)
+            if done:
+                self.counters.incr("fenced_success")
+                logger.warning(
+                    "Claim %s: %s after the lease was lost; not recorded as done",
+                    claim.claim_id,
+                    why,
+                )
+            return
+        if done:
+            self._complete(claim, why)
+        else:
+            self._release(claim, why)
+
+    def _complete(self, claim: ActiveClaim, why: str) -> None:
+        try:
+            self.manager.complete(claim.token, self.settings.done_ttl_ms)
+        except BackendUnavailable as exc:
+            # keep renewing it and retry from the keeper: the attempt is done, and a duplicate
+            # copy must not take the claim over while the record cannot be written
+            claim.completing = True
+            self.counters.incr("completion_deferred")
+            logger.warning("Claim %s: %s, completion deferred: %s", claim.claim_id, why, exc)
+            return
+        except ClaimTokenError as exc:
+            self.untrack(claim)
+            self._lost(claim, exc)
+            return
+        except ClaimError:
+            self.untrack(claim)
+            logger.exception("Claim %s: could not record completion", claim.claim_id)
+            return
+        self.untrack(claim)
+        self.counters.incr("completed")
+        logger.debug("Claim %s: %s, recorded done", claim.claim_id, why)
+
+    def _release(self, claim: ActiveClaim, why: str) -> None:
+        self.untrack(claim)
+        try:
+            self.manager.release(claim.token)
+        except ClaimTokenError as exc:
+            logger.debug("Claim %s: already gone at release (%s)", claim.claim_id, exc)
+            return
+        except BackendUnavailable as exc:
+            # nothing to retry: the lease is no longer renewed and expires by itself
+            logger.warning("Claim %s: %s, release failed: %s", claim.claim_id, why, exc)
+            return
+        except ClaimError:
+            logger.exception("Claim %s: could not release", claim.claim_id)
+            return
+        self.counters.incr("released")
+        logger.debug("Claim %s: %s, released", claim.claim_id, why)
+
+    def _lost(self, claim: ActiveClaim, error: ClaimTokenError) -> None:
+        claim.fenced = True
+        self.counters.incr("lease_lost")
+        request = claim.request
+        logger.warning(
+            "Claim %s: lease lost (%s); %s[%s] is fenced, its result will not be recorded",
+            claim.claim_id,
+            type(error).__name__,
+            getattr(request, "name", "?"),
+            getattr(request, "id", "?"),
+        )
+        signals.lease_lost.send(
+            sender=getattr(request, "task", None), request=request, token=claim.token, error=error
+        )
+
+    # --- the keeper thread ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the keeper thread (once)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._stop_at = None
+            return
+        self._stop_at = None
+        self._wake.clear()
+        self._thread = threading.Thread(target=self._run, name="celery-claims-keeper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the keeper to stop once no claim is left (reentrant, no logging, no blocking).
+
+        A warm shutdown stops worker bootsteps before the pool has finished its tasks, so the
+        keeper goes on renewing live claims for up to ``STOP_GRACE_S`` and then exits.
+        """
+        if self._stop_at is None:
+            self._stop_at = time.monotonic() + STOP_GRACE_S
+        self._wake.set()
+
+    def _run(self) -> None:
+        interval_s = self.settings.renew_interval_ms / 1000
+        while True:
+            stop_at = self._stop_at
+            if stop_at is not None and (not self.live_claims() or time.monotonic() > stop_at):
+                return
+            try:
+                self.beat()
+            except Exception:
+                logger.exception("Lease keeper beat failed")
+            if self._wake.wait(interval_s):
+                self._wake.clear()
+
+    def beat(self) -> None:
+        """One keeper beat: renew, retry deferred completions, refresh deliveries."""
+        claims = [c for c in self.live_claims() if not c.fenced]
+        self._renew(claims)
+        for claim in claims:
+            if claim.completing and not claim.fenced:
+                claim.completing = False
+                self._complete(claim, "deferred completion")
+        if self.settings.refresh_unacked:
+            self.refresh_deliveries()
+
+    def _renew(self, claims: list[ActiveClaim]) -> None:
+        groups: dict[tuple[str, int], list[ActiveClaim]] = defaultdict(list)
+        for claim in claims:
+            groups[(claim.token.queue_id, claim.lease_ms)].append(claim)
+        for (queue_id, lease_ms), group in groups.items():
+            try:
+                results = self.manager.renew(queue_id, [c.token for c in group], lease_ms)
+            except BackendUnavailable as exc:
+                self.counters.incr("renew_unavailable")
+                if self._unavailable_since is None:
+                    self._unavailable_since = time.monotonic()
+                    logger.warning("Lease keeper: claim store unavailable: %s", exc)
+                continue
+            if self._unavailable_since is not None:
+                logger.warning(
+                    "Lease keeper: claim store reachable again after %.1f s",
+                    time.monotonic() - self._unavailable_since,
+                )
+                self._unavailable_since = None
+            for claim, result in zip(group, results, strict=True):
+                if isinstance(result, ClaimToken):
+                    claim.token = result
+                    self.counters.incr("renewals")
+                    continue
+                with claim.lock:
+                    # a claim completed between the snapshot and the renewal is simply gone
+                    if claim.finished and not claim.completing:
+                        continue
+                self.untrack(claim)
+                self._lost(claim, result)
+
+    def refresh_deliveries(self) -> None:
+        """Set the ``unacked_index`` score of claimed and held Redis deliveries to now."""
+        by_channel: dict[int, tuple[Any, list[str]]] = {}
+        deliveries = [c.delivery for c in self.live_claims() if not c.fenced]
+        deliveries += [h.delivery for h in self.held_copies()]
+        for delivery in deliveries:
+            if delivery is None:
+                continue
+            by_channel.setdefault(id(delivery.channel), (delivery.channel, []))[1].append(
+                delivery.tag
+            )
+        now = time.time()
+        for channel, tags in by_channel.values():
+            try:
+                with channel.conn_or_acquire() as client:
+                    pipe = client.pipeline(transaction=False)
+                    for tag in tags:
+                        # XX: never re-add a delivery that was acked or restored meanwhile
+                        pipe.zadd(channel.unacked_index_key, {tag: now}, xx=True)
+                    pipe.execute()
+                self.counters.incr("unacked_refreshed", len(tags))
+            except Exception as exc:
+                logger.warning("Lease keeper: could not refresh unacked deliveries: %r", exc)
+
+
+class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
+    """Worker bootstep: reads the settings, creates ``worker.claims``, runs the keeper.
+
+    Settings are validated here, while the worker starts, so a bad ``claims_*`` value stops
+    the worker with an error naming the key instead of failing on the first task.
+    """
+
+    label = "Claims"
+    requires = ("celery.worker.components:Timer",)
+
+    def __init__(self, w: Any, **kwargs: Any) -> None:
+        w.claims = None
+        overrides = {name: kwargs.get(name) for name in WORKER_OPTION_NAMES}
+        settings = load_settings(w.app, overrides)
+        from celery_claims.worker.gate import check_task_policies
+
+        check_task_policies(w.app, settings)
+        self.runtime = ClaimsRuntime(w.app, settings, w.hostname)
+        w.claims = self.runtime
+        super().__init__(w, **kwargs)
+
+    def start(self, w: Any) -> None:
+        self.runtime.start()
+
+    def stop(self, w: Any) -> None:
+        self.runtime.stop()
+
+    terminate = stop
+    shutdown = stop

@@ -1,0 +1,71 @@
+"""Signals and counters: every copy the gate does not run is visible.
+
+Each signal is sent in the worker's main process with ``sender`` = the task object and
+``request`` = the worker's ``Request``. Receivers must be quick (they run in the event loop)
+and their errors are logged, never raised (Celery's ``Signal.send`` swallows them).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from celery.utils.dispatch import Signal
+
+__all__ = [
+    "Counters",
+    "claim_acquired",
+    "lease_lost",
+    "task_held",
+    "task_skipped",
+]
+
+#: A copy was acknowledged without running. Arguments: ``request``, ``reason`` (``"done"``),
+#: ``claim_id`` (queue/task/attempt), ``record`` (the ``AlreadyDone`` completion record).
+task_skipped = Signal(name="celery_claims.task_skipped")
+
+#: A copy was held unacked instead of run. Arguments: ``request``, ``reason`` (``"held"`` while
+#: another worker's lease is live, ``"unavailable"`` while the claim store cannot be reached),
+#: ``claim_id``, ``holder`` (the other owner, or ``None``), ``recheck_s`` (next check).
+task_held = Signal(name="celery_claims.task_held")
+
+#: A copy's claim was acquired and it goes to the pool. Arguments: ``request``, ``token``,
+#: ``took_over`` (``True`` when another owner's expired lease was taken over).
+claim_acquired = Signal(name="celery_claims.claim_acquired")
+
+#: A running task's lease was lost (the keeper's renewal was refused): the request is fenced,
+#: its success will not be recorded as done. Arguments: ``request``, ``token``, ``error``.
+lease_lost = Signal(name="celery_claims.lease_lost")
+
+
+class Counters:
+    """Thread-safe event counters of one worker (``worker.claims.counters``).
+
+    Names used by the integration: ``acquired``, ``took_over``, ``skipped_done``, ``held``
+    (copies that started being held because another lease is live), ``held_unavailable``
+    (copies held because the store was unreachable), ``rechecks``, ``completed``,
+    ``released``, ``completion_deferred``, ``lease_lost``, ``fenced_success`` (a success not
+    recorded because the lease was lost), ``renewals``, ``renew_unavailable``,
+    ``unacked_refreshed``, ``revoked_released``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, int] = {}
+
+    def incr(self, name: str, amount: int = 1) -> None:
+        """Add ``amount`` to counter ``name``."""
+        with self._lock:
+            self._values[name] = self._values.get(name, 0) + amount
+
+    def get(self, name: str) -> int:
+        """The value of counter ``name`` (0 if never counted)."""
+        with self._lock:
+            return self._values.get(name, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of every counter."""
+        with self._lock:
+            return dict(self._values)
+
+    def __repr__(self) -> str:
+        return f"Counters({self.snapshot()!r})"

@@ -1,0 +1,75 @@
+"""The beat task ``celery_claims.cleanup_expired``, modelled on ``celery.backend_cleanup``.
+
+Idempotent (removing an expired claim twice removes nothing the second time) and bounded per
+run by ``claims_cleanup_limit``, so one run never holds the claim store for long. Its schedule
+entry is added on ``app.on_after_finalize`` with ``setdefault``: ``celery beat`` finalizes the
+app after importing the user's module, so a ``beat_schedule`` assigned after ``install(app)``
+still gets the entry, and an entry the user defines under the same name wins.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from celery_claims.worker.keeper import new_manager
+from celery_claims.worker.settings import load_settings
+
+__all__ = [
+    "CLEANUP_TASK_NAME",
+    "add_cleanup_schedule",
+    "connect_schedule",
+    "register_cleanup_task",
+]
+
+#: Stable name of the cleanup task and of its beat schedule entry.
+CLEANUP_TASK_NAME = "celery_claims.cleanup_expired"
+
+
+def register_cleanup_task(app: Any) -> Any:
+    """Register ``celery_claims.cleanup_expired`` on ``app`` and return it."""
+
+    @app.task(name=CLEANUP_TASK_NAME, shared=False, lazy=False)  # type: ignore[untyped-decorator]
+    def cleanup_expired(limit: int | None = None) -> int:
+        """Remove expired claims of every queue, at most ``limit`` (default: the setting)."""
+        settings = load_settings(app)
+        manager = new_manager(settings)
+        try:
+            return manager.cleanup_expired(limit=settings.cleanup_limit if limit is None else limit)
+        finally:
+            manager.client.close()
+
+    return cleanup_expired
+
+
+def add_cleanup_schedule(app: Any) -> None:
+    """Add the cleanup entry to ``app.conf.beat_schedule`` unless the user defined one."""
+    interval_s = app.conf.get("claims_cleanup_interval_s", None)
+    if interval_s is None:
+        # validated later by the task itself; a bad value must not break app finalization
+        interval_s = 300.0
+    schedule = app.conf.beat_schedule
+    if schedule is None:
+        schedule = app.conf.beat_schedule = {}
+    schedule.setdefault(
+        CLEANUP_TASK_NAME,
+        {
+            "task": CLEANUP_TASK_NAME,
+            "schedule": timedelta(seconds=float(interval_s)),
+            # a run that waited longer than a period is stale: the next one does the work
+            "options": {"expires": float(interval_s)},
+        },
+    )
+
+
+def connect_schedule(app: Any) -> None:
+    """Arrange for :func:`add_cleanup_schedule` to run when ``app`` is finalized."""
+
+    def on_after_finalize(sender: Any = None, **kwargs: Any) -> None:
+        add_cleanup_schedule(app)
+
+    if app.finalized:
+        add_cleanup_schedule(app)
+    else:
+        # weak=False: the receiver is a closure that nothing else references
+        app.on_after_finalize.connect(on_after_finalize, weak=False)

@@ -1,0 +1,1 @@
+"""Celery apps that real ``celery worker`` / ``celery beat`` subprocesses import by name."""

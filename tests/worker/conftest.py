@@ -1,0 +1,27 @@
+"""Fixtures of the worker tests: a private broker/claim store and per-test names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from celery_claims import RedisClaimManager
+from tests.servers import RedisServer
+from tests.worker.helpers import unique
+
+
+@pytest.fixture
+def queue() -> str:
+    """A queue name no other test uses (so a shared broker never mixes tests' messages)."""
+    return unique("q")
+
+
+@pytest.fixture
+def claims(redis_server: RedisServer, key_prefix: str) -> Iterator[RedisClaimManager]:
+    """The test's view of the claim store the workers use (the private Redis, own prefix)."""
+    manager = RedisClaimManager(url=redis_server.url, prefix=key_prefix)
+    try:
+        yield manager
+    finally:
+        manager.client.close()

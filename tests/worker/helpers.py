@@ -1,0 +1,97 @@
+"""Helpers shared by the worker tests: polling with deadlines, app factories, recorders."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_claims.worker import install
+
+T = TypeVar("T")
+
+#: Broker options that make Redis redeliver an unacked message after 3 s (kombu 5.7 needs the
+#: restore interval and throttle too, or it only sweeps every ~100 s).
+FAST_REDELIVERY = {
+    "visibility_timeout": 3,
+    "unacked_restore_interval": 1,
+    "unacked_restore_throttle": 1,
+}
+
+#: Short leases so takeovers happen within seconds.
+LEASE_MS = 3000
+RENEW_INTERVAL_MS = 500
+HELD_RECHECK_MS = 300
+
+
+def wait_for(
+    check: Callable[[], T], *, timeout: float, interval: float = 0.05, what: str = "condition"
+) -> T:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def unique(prefix: str) -> str:
+    """A name no other test uses."""
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def make_app(
+    broker_url: str,
+    *,
+    queue: str,
+    claims_prefix: str,
+    plugin: bool = True,
+    **conf: Any,
+) -> Celery:
+    """An app on a private broker with fast redelivery and short leases."""
+    app = Celery(unique("claims-test"), broker=broker_url, backend=broker_url, set_as_current=False)
+    app.conf.update(
+        broker_connection_retry_on_startup=True,
+        broker_transport_options=dict(FAST_REDELIVERY),
+        result_backend_transport_options=dict(FAST_REDELIVERY),
+        task_default_queue=queue,
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        # redis-py 8 deprecates SETEX, which Celery's result backend uses for expiring results
+        result_expires=None,
+        claims_prefix=claims_prefix,
+        claims_lease_ms=LEASE_MS,
+        claims_renew_interval_ms=RENEW_INTERVAL_MS,
+        claims_held_recheck_ms=HELD_RECHECK_MS,
+        claims_unavailable_retry_ms=200,
+        claims_unavailable_retry_max_ms=1000,
+        claims_socket_timeout_ms=1000,
+    )
+    app.conf.update(conf)
+    if plugin:
+        install(app)
+    return app
+
+
+@contextmanager
+def in_process_worker(app: Celery, **kwargs: Any) -> Iterator[Any]:
+    """One in-process worker (never two at once: they share Celery's global worker state)."""
+    options: dict[str, Any] = {
+        "pool": "solo",
+        "concurrency": 1,
+        "perform_ping_check": False,
+        "shutdown_timeout": 30.0,
+        "loglevel": "WARNING",
+    }
+    options.update(kwargs)
+    with start_worker(app, **options) as worker:
+        yield worker

@@ -1,0 +1,229 @@
+"""Gate outcomes with in-process workers: done copies, retries, replace(), opt-outs, holds."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_claims import RedisClaimManager
+from celery_claims.worker import signals
+from tests.servers import RedisServer
+from tests.worker.helpers import in_process_worker, make_app, wait_for
+
+
+class Recorder:
+    """Executions seen by tasks running in this process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls: list[tuple[str, Any]] = []
+
+    def add(self, name: str, value: Any) -> None:
+        with self.lock:
+            self.calls.append((name, value))
+
+    def of(self, name: str) -> list[Any]:
+        with self.lock:
+            return [v for n, v in self.calls if n == name]
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def app(redis_server: RedisServer, queue: str, key_prefix: str, recorder: Recorder) -> Celery:
+    app = make_app(redis_server.url, queue=queue, claims_prefix=key_prefix)
+
+    @app.task(shared=False, name="t.echo")
+    def echo(value: Any) -> Any:
+        recorder.add("echo", value)
+        return value
+
+    @app.task(shared=False, name="t.retry_once", bind=True)
+    def retry_once(self: Any) -> str:
+        recorder.add("retry_once", self.request.retries)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0, max_retries=3)
+        return "second"
+
+    @app.task(shared=False, name="t.replaced", bind=True)
+    def replaced(self: Any) -> Any:
+        recorder.add("replaced", self.request.id)
+        return self.replace(echo.si("from-replacement"))
+
+    @app.task(shared=False, name="t.unclaimed", claims=False)
+    def unclaimed(value: Any) -> Any:
+        recorder.add("unclaimed", value)
+        return value
+
+    return app
+
+
+class Captured:
+    """Signal receivers that keep what they were sent."""
+
+    def __init__(self) -> None:
+        self.skipped: list[dict[str, Any]] = []
+        self.held: list[dict[str, Any]] = []
+
+    def on_skipped(self, sender: Any = None, **kwargs: Any) -> None:
+        self.skipped.append(kwargs)
+
+    def on_held(self, sender: Any = None, **kwargs: Any) -> None:
+        self.held.append(kwargs)
+
+
+@pytest.fixture
+def captured() -> Any:
+    seen = Captured()
+    signals.task_skipped.connect(seen.on_skipped, weak=False)
+    signals.task_held.connect(seen.on_held, weak=False)
+    try:
+        yield seen
+    finally:
+        signals.task_skipped.disconnect(seen.on_skipped)
+        signals.task_held.disconnect(seen.on_held)
+
+
+def test_resent_completed_task_is_acked_without_running_and_keeps_the_first_result(
+    app: Celery, recorder: Recorder, captured: Captured, redis_server: RedisServer, queue: str
+) -> None:
+    # Given a task that completed once
+    echo = app.tasks["t.echo"]
+    with in_process_worker(app) as worker:
+        first = echo.apply_async(("first",), task_id="done-1")
+        assert first.get(timeout=10) == "first"
+
+        # When a copy with the same task id arrives (with other arguments, to tell them apart)
+        echo.apply_async(("second",), task_id="done-1")
+        wait_for(lambda: captured.skipped, timeout=10, what="the skip signal")
+
+        # Then it is acked without running, visibly, and the stored result is the first one
+        assert recorder.of("echo") == ["first"]
+        assert worker.claims.counters.get("skipped_done") == 1
+        assert captured.skipped[0]["reason"] == "done"
+        assert app.AsyncResult("done-1").get(timeout=5) == "first"
+        client = redis_server.client()
+        assert client.llen(queue) == 0
+        assert client.hlen("unacked") == 0
+
+
+def test_retry_with_countdown_zero_runs_the_next_attempt_but_not_a_duplicate_of_the_first(
+    app: Celery, recorder: Recorder, claims: RedisClaimManager, queue: str
+) -> None:
+    # Given a task that retries once with countdown 0
+    retry_once = app.tasks["t.retry_once"]
+    with in_process_worker(app) as worker:
+        # When it runs
+        result = retry_once.apply_async(task_id="retry-1")
+
+        # Then the retry (same task id, next attempt) runs and succeeds
+        assert result.get(timeout=10) == "second"
+        assert recorder.of("retry_once") == [0, 1]
+        assert claims.done_record(queue, "retry-1:0:0") is not None
+        assert claims.done_record(queue, "retry-1:1:0") is not None
+
+        # And a late duplicate of the first attempt is not re-run
+        retry_once.apply_async(task_id="retry-1")
+        wait_for(
+            lambda: worker.claims.counters.get("skipped_done") == 1, timeout=10, what="the skip"
+        )
+        assert recorder.of("retry_once") == [0, 1]
+        assert app.AsyncResult("retry-1").get(timeout=5) == "second"
+
+
+def test_replace_runs_the_replacement_but_not_a_duplicate_of_the_replaced_attempt(
+    app: Celery, recorder: Recorder, claims: RedisClaimManager, queue: str
+) -> None:
+    # Given a task that replaces itself with another task (same task id, nesting 1)
+    replaced = app.tasks["t.replaced"]
+    with in_process_worker(app) as worker:
+        # When it runs
+        result = replaced.apply_async(task_id="replace-1")
+
+        # Then the replacement runs and its result is the task's result
+        assert result.get(timeout=10) == "from-replacement"
+        assert recorder.of("replaced") == ["replace-1"]
+        assert recorder.of("echo") == ["from-replacement"]
+        assert claims.done_record(queue, "replace-1:0:1") is not None
+
+        # And a late duplicate of the replaced attempt does not run again
+        replaced.apply_async(task_id="replace-1")
+        wait_for(
+            lambda: worker.claims.counters.get("skipped_done") == 1, timeout=10, what="the skip"
+        )
+        assert recorder.of("replaced") == ["replace-1"]
+        assert recorder.of("echo") == ["from-replacement"]
+
+
+def test_opted_out_and_celery_tasks_run_every_copy_without_a_claim(
+    app: Celery, recorder: Recorder, claims: RedisClaimManager
+) -> None:
+    # Given a task with claims = False and the package's own cleanup task
+    unclaimed = app.tasks["t.unclaimed"]
+    cleanup = app.tasks["celery_claims.cleanup_expired"]
+    with in_process_worker(app) as worker:
+        # When two copies with one task id arrive, and the cleanup task runs twice
+        unclaimed.apply_async((1,), task_id="free-1")
+        unclaimed.apply_async((2,), task_id="free-1")
+        cleanup.apply_async(task_id="cleanup-1")
+        cleanup.apply_async(task_id="cleanup-2")
+
+        # Then every copy ran and the claim store was never asked
+        wait_for(lambda: len(recorder.of("unclaimed")) == 2, timeout=10, what="both copies")
+        assert app.AsyncResult("cleanup-2").get(timeout=10) == 0
+        assert app.AsyncResult("cleanup-1").get(timeout=10) == 0
+        assert sorted(recorder.of("unclaimed")) == [1, 2]
+        assert claims.stats().attempts == 0
+        assert worker.claims.counters.snapshot() == {}
+
+
+def test_copy_held_by_a_live_lease_waits_then_is_acked_when_the_holder_completes(
+    app: Celery, recorder: Recorder, claims: RedisClaimManager, captured: Captured, queue: str
+) -> None:
+    # Given another worker holds the claim of a task
+    echo = app.tasks["t.echo"]
+    holder = claims.claim(queue, "held-1:0:0", "elsewhere/1/x", 60_000)
+    assert holder.token is not None
+    with in_process_worker(app) as worker:
+        # When a copy of the task arrives
+        echo.apply_async(("copy",), task_id="held-1")
+
+        # Then it is held, visibly, and does not run
+        wait_for(lambda: captured.held, timeout=10, what="the held signal")
+        assert captured.held[0]["reason"] == "held"
+        assert captured.held[0]["holder"] == "elsewhere/1/x"
+        wait_for(
+            lambda: worker.claims.counters.get("rechecks") >= 2, timeout=10, what="re-checks"
+        )
+        assert recorder.of("echo") == []
+
+        # And when the holder records completion, the held copy is acked without running
+        claims.complete(holder.token, 60_000)
+        wait_for(lambda: captured.skipped, timeout=10, what="the skip signal")
+        assert recorder.of("echo") == []
+        assert worker.claims.counters.get("held") == 1
+
+
+def test_copy_held_by_a_dead_holder_is_taken_over_when_its_lease_expires(
+    app: Celery, recorder: Recorder, claims: RedisClaimManager, queue: str
+) -> None:
+    # Given a holder that claimed the task with a short lease and then died
+    echo = app.tasks["t.echo"]
+    claims.claim(queue, "orphan-1:0:0", "dead/1/x", 1500)
+    with in_process_worker(app) as worker:
+        # When a copy arrives
+        result = echo.apply_async(("rescued",), task_id="orphan-1")
+
+        # Then it is held until the lease expires, then taken over and run once
+        assert result.get(timeout=15) == "rescued"
+        assert recorder.of("echo") == ["rescued"]
+        counters = worker.claims.counters.snapshot()
+        assert counters["held"] == 1
+        assert counters["took_over"] == 1
+        assert claims.done_record(queue, "orphan-1:0:0") is not None
