@@ -189,11 +189,8 @@ class RedisTaskClaimStore:
             raw = self.client.hget(self._index, str(task_id))
         if raw is None:
             return None
-        try:
-            lane_key, kind = json.loads(_text(raw))
-        except (ValueError, TypeError) as exc:
-            raise CodecError(f"undecodable lane index entry {raw!r} for task {task_id}") from exc
-        return self.lane_keys(str(lane_key)), str(kind)
+        lane_key, kind = _index_entry(raw)
+        return self.lane_keys(lane_key), kind
 
     # --- producer and worker operations ---------------------------------------------------
 
@@ -221,8 +218,9 @@ class RedisTaskClaimStore:
         entry = json.dumps([lane.lane_key, kind])
         with _driver_errors("enqueue"):
             if not self.client.hsetnx(self._index, str(task_id), entry):
+                # Taken by this very task means an earlier enqueue died half-way: finish it.
                 existing = self.client.hget(self._index, str(task_id))
-                if existing is None or _text(existing) != entry:
+                if existing is None or _index_entry(existing) != (lane.lane_key, kind):
                     raise_for_status(StoreStatus.EXISTS, task_id=task_id)
             reply = self._enqueue(
                 keys=[keys.tasks, keys.due(kind)],
@@ -394,6 +392,15 @@ class RedisTaskClaimStore:
         raise_for_status(status, task_id=failed, lane=lane.lane)
         claimed = [checked[int(position) - 1] for position in reply[1:]]
         return [ClaimedTask(c.index, c.task_id, c.next_processing_token) for c in claimed]
+
+
+def _index_entry(raw: object) -> tuple[str, str]:
+    """The ``(lane key, kind)`` of an id index entry."""
+    try:
+        lane_key, kind = json.loads(_text(raw))
+    except (ValueError, TypeError) as exc:
+        raise CodecError(f"undecodable lane index entry {raw!r}") from exc
+    return str(lane_key), str(kind)
 
 
 def _status(reply: object) -> int:

@@ -1,0 +1,159 @@
+"""What only the Redis store promises: one round trip per batch, one slot per lane, escaping,
+script reloading, and driver errors translated at the boundary."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+
+from celery_claims.lanes import CodecError, IoError, TaskClaimCandidate, TaskLaneConfig
+from celery_claims.lanes.keys import member
+from celery_claims.lanes.redis import RedisTaskClaimStore
+from tests.lanes.conftest import LANES, MAIL, T0
+from tests.servers import RedisClusterNodes, RedisServer, free_port
+
+LEASE = T0 + timedelta(seconds=30)
+
+
+def command_calls(client: redis.Redis) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+
+
+#: The commands the lane claim script runs inside Redis (counted by commandstats too).
+SCRIPT_INTERNAL = {"hget", "hset", "zadd", "zrem", "zcount"}
+
+
+def test_claiming_a_batch_is_one_round_trip_of_one_command(redis_server: RedisServer) -> None:
+    # Given a store whose scripts are loaded, and 100 due tasks
+    client = redis_server.client()
+    observer = redis_server.client()
+    store = RedisTaskClaimStore(client=client, lanes=LANES, prefix="onetrip")
+    store.claim_candidates_for_lane(MAIL, [], T0, T0, LEASE)
+    store.enqueue(1000, "send_sms", next_run_at=T0)
+    store.claim_candidates_for_lane(MAIL, [TaskClaimCandidate(0, 1000, 0, 1)], T0, T0, LEASE)
+    for task_id in range(100):
+        store.enqueue(task_id, "send_email", next_run_at=T0)
+    candidates = [TaskClaimCandidate(i, i, 0, 1) for i in range(100)]
+    lane = TaskLaneConfig("mail", MAIL.kinds, 101)
+    before = command_calls(observer)
+
+    # When the batch of 100 candidates is claimed
+    claimed = store.claim_candidates_for_lane(lane, candidates, T0, T0, LEASE)
+
+    # Then the client sent one EVALSHA and nothing else (besides the observer's INFO)
+    after = command_calls(observer)
+    delta = {name: after[name] - before.get(name, 0) for name in after}
+    delta["info"] -= 1
+    sent = {name: n for name, n in delta.items() if n and name not in SCRIPT_INTERNAL}
+    assert sent == {"evalsha": 1}
+    assert len(claimed) == 100
+    client.close()
+    observer.close()
+
+
+def test_script_cache_flush_is_survived(plain_redis: redis.Redis, key_prefix: str) -> None:
+    # Given a store whose scripts are loaded, then a SCRIPT FLUSH
+    store = RedisTaskClaimStore(client=plain_redis, lanes=LANES, prefix=key_prefix)
+    store.enqueue(1, "send_email", next_run_at=T0)
+    plain_redis.script_flush()
+
+    # When it claims
+    claimed = store.claim_candidates_for_lane(MAIL, [TaskClaimCandidate(0, 1, 0, 1)], T0, T0, LEASE)
+
+    # Then redis-py reloads the script on NOSCRIPT and the claim goes through
+    assert [c.task_id for c in claimed] == [1]
+
+
+def test_every_key_of_a_lane_is_in_one_cluster_slot(redis_cluster: RedisClusterNodes) -> None:
+    # Given lanes and kinds whose names hold braces and colons
+    odd = TaskLaneConfig(lane="a{b}:c", kinds=("k{1}", "k:2"), limit=2)
+    plain = TaskLaneConfig(lane="other", kinds=("x",), limit=2)
+    client = redis_cluster.client()
+    store = RedisTaskClaimStore(client=client, lanes=[odd, plain], prefix="slots")
+    store.enqueue(1, "k{1}", next_run_at=T0)
+    store.enqueue(2, "k:2", next_run_at=T0)
+    store.enqueue(3, "x", next_run_at=T0)
+
+    # When the odd lane claims both its tasks on the cluster
+    claimed = store.claim_candidates_for_lane(
+        odd, [TaskClaimCandidate(0, 1, 0, 1), TaskClaimCandidate(1, 2, 0, 1)], T0, T0, LEASE
+    )
+
+    # Then it worked, all of the lane's keys hash to one slot, and the escaped tag is theirs
+    assert [c.task_id for c in claimed] == [1, 2]
+    keys = store.lane_keys(odd.lane_key)
+    names = [
+        keys.tasks,
+        *(keys.due(k) for k in odd.kinds),
+        *(keys.processing(k) for k in odd.kinds),
+    ]
+    slots = {client.keyslot(name) for name in names}
+    assert len(slots) == 1
+    assert all("{a%7Bb%7D%3Ac}" in name for name in names)
+    client.close()
+
+
+def test_decode_responses_does_not_change_what_is_stored(redis_server: RedisServer) -> None:
+    # Given the same operations through a bytes client and a decoding client
+    dumps = []
+    for decode in (False, True):
+        client = redis_server.client(decode_responses=decode)
+        prefix = f"decode{int(decode)}"
+        store = RedisTaskClaimStore(client=client, lanes=LANES, prefix=prefix)
+        store.enqueue(1, "send_email", next_run_at=T0, payload="ünïcode")
+        store.claim_candidates_for_lane(MAIL, [TaskClaimCandidate(0, 1, 0, 1)], T0, T0, LEASE)
+        raw = redis_server.client()
+        dumps.append(raw.hget(store.lane_keys("mail").tasks, member(1)))
+        raw.close()
+        client.close()
+
+    # Then the stored records are identical
+    assert dumps[0] == dumps[1]
+
+
+def test_unreachable_redis_raises_io_error_with_the_driver_error_as_cause() -> None:
+    store = RedisTaskClaimStore(
+        client=redis.Redis(port=free_port(), socket_connect_timeout=1), lanes=LANES
+    )
+    with pytest.raises(IoError) as error:
+        store.list_claimable_by_kinds(T0, T0, MAIL.kinds, 1)
+    assert isinstance(error.value.__cause__, redis.ConnectionError)
+    with pytest.raises(IoError):
+        store.complete(1, 1)
+    with pytest.raises(IoError):
+        store.claim_candidates_for_lane(MAIL, [TaskClaimCandidate(0, 1, 0, 1)], T0, T0, LEASE)
+
+
+def test_corrupt_record_raises_codec_error(plain_redis: redis.Redis, key_prefix: str) -> None:
+    store = RedisTaskClaimStore(client=plain_redis, lanes=LANES, prefix=key_prefix)
+    store.enqueue(1, "send_email", next_run_at=T0)
+    plain_redis.hset(store.lane_keys("mail").tasks, member(1), b"not json")
+    with pytest.raises(CodecError):
+        store.get_task(1)
+
+
+def test_store_built_from_url_owns_and_closes_its_client(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    store = RedisTaskClaimStore(url=redis_server.url, lanes=LANES, prefix=key_prefix)
+    store.enqueue(1, "send_email", next_run_at=T0)
+    assert store.get_task(1) is not None
+    store.close()
+
+
+def test_interrupted_enqueue_can_be_repeated(plain_redis: redis.Redis, key_prefix: str) -> None:
+    # Given an enqueue that wrote the id index but died before the lane script
+    store = RedisTaskClaimStore(client=plain_redis, lanes=LANES, prefix=key_prefix)
+    plain_redis.hset(f"{key_prefix}:lane-tasks", "1", '["mail", "send_email"]')
+    assert store.get_task(1) is None
+
+    # When the producer repeats it
+    store.enqueue(1, "send_email", next_run_at=T0)
+
+    # Then the task exists and is claimable
+    listed: Any = store.list_claimable_by_kinds(T0, T0, MAIL.kinds, 1)
+    assert [task.id for task in listed] == [1]
