@@ -198,9 +198,7 @@ def test_copy_held_by_a_live_lease_waits_then_is_acked_when_the_holder_completes
         wait_for(lambda: captured.held, timeout=10, what="the held signal")
         assert captured.held[0]["reason"] == "held"
         assert captured.held[0]["holder"] == "elsewhere/1/x"
-        wait_for(
-            lambda: worker.claims.counters.get("rechecks") >= 2, timeout=10, what="re-checks"
-        )
+        wait_for(lambda: worker.claims.counters.get("rechecks") >= 2, timeout=10, what="re-checks")
         assert recorder.of("echo") == []
 
         # And when the holder records completion, the held copy is acked without running
