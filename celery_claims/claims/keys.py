@@ -70,14 +70,27 @@ class QueueKeys:
         """Hash: the queue's counters."""
         return f"{self.tag}:s"
 
-    def done(self, task_id: str) -> str:
-        """String with a TTL: the task's completion record ``instance:done_at:owner``."""
-        return f"{self.tag}:d:{escape(task_id)}"
+    @property
+    def done(self) -> str:
+        """Hash: task id -> completion record ``instance:done_at:until:owner``."""
+        return f"{self.tag}:d"
 
-    def claim_keys(self, task_id: str) -> list[str]:
+    @property
+    def done_expiries(self) -> str:
+        """Sorted set: task id scored by the end of its completion record's retention."""
+        return f"{self.tag}:x"
+
+    @property
+    def claim_keys(self) -> list[str]:
         """KEYS of claim.lua."""
-        return [self.claims, self.expiries, self.counter, self.stats, self.done(task_id)]
+        return [self.claims, self.expiries, self.counter, self.stats, self.done]
 
-    def release_keys(self, task_id: str) -> list[str]:
+    @property
+    def release_keys(self) -> list[str]:
         """KEYS of release.lua."""
-        return [self.claims, self.expiries, self.stats, self.done(task_id)]
+        return [self.claims, self.expiries, self.stats, self.done, self.done_expiries]
+
+    @property
+    def cleanup_keys(self) -> list[str]:
+        """KEYS of cleanup.lua."""
+        return [self.claims, self.expiries, self.stats, self.done, self.done_expiries]

@@ -60,11 +60,16 @@ class MemoryClaimManager:
         self._registry_lock = threading.Lock()
 
     def _queue(self, queue_id: str) -> _Queue:
+        """The queue's state, created on first claim."""
         queue = self._queues.get(queue_id)
         if queue is None:
             with self._registry_lock:
                 queue = self._queues.setdefault(queue_id, _Queue())
         return queue
+
+    def _existing(self, queue_id: str) -> _Queue:
+        """The queue's state for a lookup: an unknown queue reads as empty and is not created."""
+        return self._queues.get(queue_id) or _EMPTY
 
     def _count(self, queue: _Queue, **increments: int) -> None:
         stats = queue.stats
@@ -128,7 +133,7 @@ class MemoryClaimManager:
 
     def _release(self, token: ClaimToken, done_ttl_ms: int | None) -> None:
         require_token(token)
-        queue = self._queue(token.queue_id)
+        queue = self._existing(token.queue_id)
         with queue.lock:
             current = self._check(queue, token.task_id, token)
             del queue.claims[token.task_id]
@@ -143,7 +148,7 @@ class MemoryClaimManager:
         require_id("queue_id", queue_id)
         require_token(token)
         require_ms("additional_ms", additional_ms)
-        queue = self._queue(queue_id)
+        queue = self._existing(queue_id)
         with queue.lock:
             current = self._check(queue, token.task_id, token)
             extended = replace(current, expires_at=current.expires_at + additional_ms)
@@ -164,7 +169,7 @@ class MemoryClaimManager:
     def _live(self, queue_id: str, task_id: str) -> ClaimToken | None:
         require_id("queue_id", queue_id)
         require_id("task_id", task_id)
-        queue = self._queue(queue_id)
+        queue = self._existing(queue_id)
         with queue.lock:
             token = queue.claims.get(task_id)
             return token if token is not None and self._clock() < token.expires_at else None
@@ -173,12 +178,16 @@ class MemoryClaimManager:
         """See :meth:`celery_claims.ClaimManager.cleanup_expired`."""
         budget = require_limit(limit) or 2**62
         removed = 0
-        for queue in list(self._queues.values()):
+        # soonest expiry first, queues in sorted order: the order the Redis backend uses
+        for _, queue in sorted(self._queues.items()):
             with queue.lock:
                 now = self._clock()
-                expired = [t for t, tok in queue.claims.items() if now >= tok.expires_at]
-                expired = expired[: max(budget - removed, 0)]
-                for task_id in expired:
+                expired = sorted(
+                    (tok.expires_at, task_id)
+                    for task_id, tok in queue.claims.items()
+                    if now >= tok.expires_at
+                )[: max(budget - removed, 0)]
+                for _, task_id in expired:
                     del queue.claims[task_id]
                 self._count(queue, expirations=len(expired))
                 removed += len(expired)
@@ -201,7 +210,7 @@ class MemoryClaimManager:
     def list_claims(self, queue_id: str) -> list[ClaimToken]:
         """See :meth:`celery_claims.ClaimManager.list_claims`."""
         require_id("queue_id", queue_id)
-        queue = self._queue(queue_id)
+        queue = self._existing(queue_id)
         with queue.lock:
             now = self._clock()
             live = [t for t in queue.claims.values() if now < t.expires_at]
@@ -224,7 +233,7 @@ class MemoryClaimManager:
         """See :meth:`celery_claims.ClaimManager.done_record`."""
         require_id("queue_id", queue_id)
         require_id("task_id", task_id)
-        queue = self._queue(queue_id)
+        queue = self._existing(queue_id)
         with queue.lock:
             return self._live_done(queue, task_id, self._clock())
 
@@ -239,7 +248,7 @@ class MemoryClaimManager:
         require_id("queue_id", queue_id)
         checked = require_tokens(tokens)
         require_ms("lease_ms", lease_ms)
-        queue = self._queue(queue_id)
+        queue = self._existing(queue_id)
         results: list[ClaimToken | ClaimTokenError] = []
         with queue.lock:
             now = self._clock()
@@ -253,3 +262,7 @@ class MemoryClaimManager:
                 queue.claims[token.task_id] = renewed
                 results.append(renewed)
         return results
+
+
+#: The state every unknown queue reads as; never written, since writes need an existing claim.
+_EMPTY = _Queue()

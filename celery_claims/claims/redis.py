@@ -16,7 +16,9 @@ from typing import Any, TypeAlias
 
 import redis
 import redis.exceptions as redis_errors
+from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
+from redis.retry import Retry
 
 from celery_claims.claims.keys import DEFAULT_PREFIX, QueueKeys, queues_key, require_prefix
 from celery_claims.claims.status import token_error
@@ -45,6 +47,16 @@ __all__ = ["RedisClaimManager", "RedisClient"]
 
 #: A standalone or cluster redis-py client.
 RedisClient: TypeAlias = "redis.Redis | redis.RedisCluster"
+
+#: Connect timeout of a client built from ``url=``: a claim gate must not stall on a dead host.
+CONNECT_TIMEOUT_S = 2.0
+
+#: Read timeout of a client built from ``url=``; scripts are O(batch), far below this.
+SOCKET_TIMEOUT_S = 5.0
+
+#: Retries of a client built from ``url=`` on connection errors (redis-py's default backs off
+#: for seconds, which would block a worker's consumer loop while the store is down).
+URL_RETRIES = 2
 
 #: Expired claims removed per script call by ``cleanup_expired``; bounds each call's run time.
 CLEANUP_BATCH = 500
@@ -87,7 +99,9 @@ class RedisClaimManager:
     """Claim manager backed by Redis (standalone or Cluster).
 
     Args:
-        url: a ``redis://`` or ``rediss://`` URL; a standalone client is created from it.
+        url: a ``redis://`` or ``rediss://`` URL; a standalone client is created from it with
+            bounded timeouts and retries (``CONNECT_TIMEOUT_S``, ``SOCKET_TIMEOUT_S``,
+            ``URL_RETRIES``), so an outage is reported in well under a second or two.
         client: an existing ``redis.Redis`` or ``redis.RedisCluster`` (instead of ``url``).
         prefix: the first part of every key; must not contain ``{`` or ``}``.
         clock: returns epoch ms; ``None`` (the default) uses the Redis server's clock.
@@ -109,7 +123,12 @@ class RedisClaimManager:
         if client is None:
             if not isinstance(url, str) or not url:
                 raise InvalidArgument("url", f"must be a non-empty str, got {url!r:.80}")
-            client = redis.Redis.from_url(url)
+            client = redis.Redis.from_url(
+                url,
+                socket_connect_timeout=CONNECT_TIMEOUT_S,
+                socket_timeout=SOCKET_TIMEOUT_S,
+                retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), URL_RETRIES),
+            )
         if clock is not None and not callable(clock):
             raise InvalidArgument("clock", "must be a callable returning epoch ms, or None")
         self.client: RedisClient = client
@@ -159,7 +178,7 @@ class RedisClaimManager:
         self._register(queue_id)
         reply = self._run(
             "claim",
-            keys.claim_keys(task_id),
+            keys.claim_keys,
             [task_id, owner, lease_ms, self._now(), "1" if honour_done else "0"],
         )
         return _gate_result(reply, queue_id, task_id, owner)
@@ -173,7 +192,7 @@ class RedisClaimManager:
         keys = self.keys(token.queue_id)
         reply = self._run(
             "release",
-            keys.release_keys(token.task_id),
+            keys.release_keys,
             [token.task_id, token.owner, token.instance, done_ttl, self._now()],
         )
         status = int(reply[0])
@@ -233,11 +252,7 @@ class RedisClaimManager:
             keys = QueueKeys(self.prefix, queue_id)
             while budget is None or removed < budget:
                 batch = CLEANUP_BATCH if budget is None else min(CLEANUP_BATCH, budget - removed)
-                count = int(
-                    self._run(
-                        "cleanup", [keys.claims, keys.expiries, keys.stats], [self._now(), batch]
-                    )
-                )
+                count = int(self._run("cleanup", keys.cleanup_keys, [self._now(), batch]))
                 removed += count
                 if count < batch:
                     break
@@ -297,7 +312,7 @@ class RedisClaimManager:
         """See :meth:`celery_claims.ClaimManager.done_record`."""
         keys = self.keys(queue_id)
         require_id("task_id", task_id)
-        reply = self._run("done", [keys.done(task_id)], [self._now()])
+        reply = self._run("done", [keys.done], [task_id, self._now()])
         if not reply:
             return None
         return AlreadyDone(owner=_text(reply[2]), instance=int(reply[0]), done_at=int(reply[1]))
@@ -316,18 +331,19 @@ class RedisClaimManager:
             args += [token.task_id, token.owner, token.instance]
         reply = self._run("renew", [keys.claims, keys.expiries], args)
         results: list[ClaimToken | ClaimTokenError] = []
-        for token, status, expires_at in zip(checked, reply[::2], reply[1::2], strict=True):
+        for token, status, created_at, expires_at in zip(
+            checked, reply[::3], reply[1::3], reply[2::3], strict=True
+        ):
             if int(status) == ClaimStatus.SUCCESS:
-                results.append(
-                    ClaimToken(
-                        queue_id,
-                        token.task_id,
-                        token.owner,
-                        token.instance,
-                        token.created_at,
-                        int(expires_at),
-                    )
+                renewed = ClaimToken(
+                    queue_id,
+                    token.task_id,
+                    token.owner,
+                    token.instance,
+                    int(created_at),
+                    int(expires_at),
                 )
+                results.append(renewed)
             else:
                 results.append(token_error(int(status), token))
         return results

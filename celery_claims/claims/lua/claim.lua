@@ -3,7 +3,7 @@
 -- KEYS[2] = expiry sorted set of the queue  ({q}:e)  task -> expires_at
 -- KEYS[3] = instance counter of the queue   ({q}:n)
 -- KEYS[4] = stats hash of the queue         ({q}:s)
--- KEYS[5] = completion record of the task   ({q}:d:<task>)
+-- KEYS[5] = completion records of the queue ({q}:d)  task -> instance:done_at:until:owner
 -- ARGV[1] = task id
 -- ARGV[2] = owner
 -- ARGV[3] = lease in ms
@@ -17,7 +17,7 @@ local now = now_ms(ARGV[4])
 redis.call('HINCRBY', KEYS[4], 'attempts', 1)
 
 if ARGV[5] == '1' then
-  local record = redis.call('GET', KEYS[5])
+  local record = redis.call('HGET', KEYS[5], ARGV[1])
   if record then
     local instance, done_at, until_ms, owner = string.match(record, '^(%d+):(%d+):(%d+):(.*)$')
     if now < tonumber(until_ms) then

@@ -2,7 +2,8 @@
 -- KEYS[1] = claims hash of the queue        ({q}:c)
 -- KEYS[2] = expiry sorted set of the queue  ({q}:e)
 -- KEYS[3] = stats hash of the queue         ({q}:s)
--- KEYS[4] = completion record of the task   ({q}:d:<task>)
+-- KEYS[4] = completion records of the queue ({q}:d)  task -> instance:done_at:until:owner
+-- KEYS[5] = retention sorted set of records ({q}:x)  task -> until
 -- ARGV[1] = task id
 -- ARGV[2] = owner of the token
 -- ARGV[3] = instance of the token
@@ -28,10 +29,11 @@ if ARGV[4] ~= '' then
   local ttl = tonumber(ARGV[4])
   if ttl > 0 then
     local now = now_ms(ARGV[5])
-    -- the deadline is kept in the value so a caller's clock (tests) judges it like a claim;
-    -- PX only collects the key
-    redis.call('SET', KEYS[4], instance .. ':' .. fmt(now) .. ':' .. fmt(now + ttl) .. ':' .. owner,
-      'PX', ttl)
+    -- records expire like claims (judged by the same clock, purged by cleanup), not by a
+    -- key TTL, which runs on the server's real time even when the caller sends its own clock
+    redis.call('HSET', KEYS[4], ARGV[1],
+      instance .. ':' .. fmt(now) .. ':' .. fmt(now + ttl) .. ':' .. owner)
+    redis.call('ZADD', KEYS[5], fmt(now + ttl), ARGV[1])
   end
 end
 return {1}

@@ -4,15 +4,15 @@
 -- ARGV[1] = lease in ms
 -- ARGV[2] = now in epoch ms, or '' for the server clock
 -- ARGV[3 + 3i], ARGV[4 + 3i], ARGV[5 + 3i] = task id, owner, instance of token i
--- returns: {status_1, expires_at_1, status_2, expires_at_2, ...}
---          status 1 renewed | 4 NOT_FOUND | 5 STALE | 6 NOT_OWNER (expires_at 0 when refused)
+-- returns: {status_1, created_at_1, expires_at_1, status_2, ...} as stored after the renewal
+--          status 1 renewed | 4 NOT_FOUND | 5 STALE | 6 NOT_OWNER (times 0 when refused)
 local now = now_ms(ARGV[2])
 local target = now + tonumber(ARGV[1])
 local out = {}
 for i = 3, #ARGV, 3 do
   local task = ARGV[i]
   local entry = redis.call('HGET', KEYS[1], task)
-  local status, expires_at = 1, 0
+  local status, created_at, expires_at = 1, 0, 0
   if not entry then
     status = 4
   else
@@ -22,6 +22,7 @@ for i = 3, #ARGV, 3 do
     elseif owner ~= ARGV[i + 1] then
       status = 6
     else
+      created_at = created
       expires_at = math.max(expires, target)
       if expires_at ~= expires then
         redis.call('HSET', KEYS[1], task,
@@ -31,6 +32,7 @@ for i = 3, #ARGV, 3 do
     end
   end
   out[#out + 1] = status
+  out[#out + 1] = created_at
   out[#out + 1] = expires_at
 end
 return out

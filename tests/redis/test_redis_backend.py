@@ -1,0 +1,218 @@
+"""Behaviour only the Redis backend has: scripts, key layout, clients, outages, durability."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import pytest
+import redis
+from hypothesis import given
+from hypothesis import strategies as st
+from redis.crc import key_slot
+
+from celery_claims import (
+    BackendUnavailable,
+    ClaimToken,
+    InvalidArgument,
+    RedisClaimManager,
+    Success,
+    TookOver,
+)
+from celery_claims.claims.keys import QueueKeys, escape
+from tests.servers import RedisServer
+
+Q = "emails"
+
+
+@pytest.fixture
+def manager(redis_client: redis.Redis) -> RedisClaimManager:
+    return RedisClaimManager(client=redis_client)
+
+
+class CountingConnection(redis.Connection):
+    """A real connection that counts the requests it sends (one per round trip)."""
+
+    sent = 0
+
+    def send_packed_command(self, command: object, check_health: bool = True) -> None:
+        CountingConnection.sent += 1
+        super().send_packed_command(command, check_health)  # type: ignore[arg-type]
+
+
+def test_every_operation_is_one_round_trip_to_the_server(redis_server: RedisServer) -> None:
+    pool = redis.ConnectionPool(
+        host="127.0.0.1", port=redis_server.port, connection_class=CountingConnection
+    )
+    manager = RedisClaimManager(client=redis.Redis(connection_pool=pool), prefix="rtt")
+
+    def every_operation(task_id: str) -> None:
+        token = manager.claim(Q, task_id, "w", 1_000).token
+        assert token is not None
+        token = manager.extend(Q, token, 1_000)
+        manager.renew(Q, [token], 5_000)
+        manager.is_claimed(Q, task_id)
+        manager.list_claims(Q)
+        manager.active_claims(Q)
+        manager.complete(token, 1_000)
+        manager.done_record(Q, task_id)
+
+    # the first pass registers the queue (one SADD per process) and loads each script once
+    # (NOSCRIPT, SCRIPT LOAD, EVALSHA); from then on every call is a single EVALSHA
+    every_operation("warm-up")
+    CountingConnection.sent = 0
+
+    every_operation("t1")
+
+    assert CountingConnection.sent == 8
+    pool.disconnect()
+
+
+def test_scripts_survive_script_flush(
+    manager: RedisClaimManager, redis_client: redis.Redis
+) -> None:
+    first = manager.claim(Q, "t1", "w", 60_000)
+    redis_client.script_flush()
+
+    second = manager.claim(Q, "t2", "w", 60_000)
+
+    assert isinstance(first, Success)
+    assert isinstance(second, Success)
+    assert second.token.instance == first.token.instance + 1
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_works_with_decoding_and_raw_clients(redis_server: RedisServer, decode: bool) -> None:
+    client = redis_server.client(decode_responses=decode)
+    client.flushall()
+    manager = RedisClaimManager(client=client)
+
+    token = manager.claim("q:ü", "t:ü", "wørker:1", 60_000).token
+    assert token is not None
+    assert manager.list_claims("q:ü") == [token]
+    assert manager.get_token("q:ü", "t:ü", "wørker:1") == token
+    assert manager.is_claimed("q:ü", "t:ü") == ("wørker:1", token.expires_at)
+    assert manager.known_queues() == ["q:ü"]
+    manager.complete(token, 60_000)
+    assert manager.done_record("q:ü", "t:ü") is not None
+    assert manager.stats().acks == 1
+    client.close()
+
+
+def test_a_url_builds_its_own_client(redis_server: RedisServer) -> None:
+    manager = RedisClaimManager(url=redis_server.url, prefix="from-url")
+
+    assert isinstance(manager.claim(Q, "t1", "w", 1_000), Success)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({}, "url"),
+        ({"url": "redis://x", "client": "both"}, "url"),
+        ({"url": ""}, "url"),
+        ({"url": "redis://127.0.0.1:1", "prefix": ""}, "prefix"),
+        ({"url": "redis://127.0.0.1:1", "prefix": "a{b}"}, "prefix"),
+        ({"url": "redis://127.0.0.1:1", "clock": 5}, "clock"),
+    ],
+)
+def test_the_constructor_validates_its_arguments(kwargs: dict[str, object], name: str) -> None:
+    with pytest.raises(InvalidArgument) as raised:
+        RedisClaimManager(**kwargs)  # type: ignore[arg-type]
+    assert raised.value.name == name
+
+
+def test_all_keys_of_a_queue_share_one_cluster_slot(manager: RedisClaimManager) -> None:
+    for queue_id in ["plain", "a:b", "{tagged}", "}{", "%7B"]:
+        keys = manager.keys(queue_id)
+        names = [*keys.claim_keys, *keys.release_keys, *keys.cleanup_keys]
+        assert len({key_slot(k.encode()) for k in names}) == 1, names
+
+
+@given(st.text(min_size=1), st.text(min_size=1))
+def test_escaping_is_injective_and_never_leaks_a_hash_tag(a: str, b: str) -> None:
+    assert "{" not in escape(a)
+    assert "}" not in escape(a)
+    assert ":" not in escape(a)
+    if a != b:
+        assert escape(a) != escape(b)
+        assert QueueKeys("claims", a).claims != QueueKeys("claims", b).claims
+
+
+@pytest.fixture
+def private_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+def test_an_unreachable_server_raises_backend_unavailable_and_recovers(
+    private_server: RedisServer,
+) -> None:
+    manager = RedisClaimManager(url=private_server.url)
+    token = manager.claim(Q, "t1", "w", 60_000).token
+    assert token is not None
+    private_server.stop()
+
+    with pytest.raises(BackendUnavailable, match="unavailable") as raised:
+        manager.claim(Q, "t2", "w", 60_000)
+    assert isinstance(raised.value.__cause__, redis.exceptions.ConnectionError)
+    with pytest.raises(BackendUnavailable):
+        manager.release(token)
+    with pytest.raises(BackendUnavailable):
+        manager.stats()
+
+    private_server.start()  # no persistence: the restarted server is empty
+    assert isinstance(manager.claim(Q, "t2", "w", 60_000), Success)
+
+
+def test_claims_survive_a_crash_with_appendfsync_always() -> None:
+    server = RedisServer(["--appendonly", "yes", "--appendfsync", "always"]).start()
+    try:
+        manager = RedisClaimManager(client=server.client())
+        held = manager.claim(Q, "t1", "worker-1", 600_000).token
+        assert held is not None
+
+        server.restart(signal.SIGKILL)
+
+        manager = RedisClaimManager(client=server.client())
+        assert manager.get_token(Q, "t1", "worker-1") == held
+        assert manager.claim(Q, "t1", "worker-2", 1_000).acquired is False
+        # the fencing counter survived too: no instance is ever issued twice
+        again = manager.claim(Q, "t2", "worker-2", 1_000)
+        assert again.token is not None
+        assert again.token.instance == held.instance + 1
+    finally:
+        server.cleanup()
+
+
+def test_without_persistence_a_crash_loses_every_claim() -> None:
+    server = RedisServer().start()  # --save "" --appendonly no, like the machine's Redis
+    try:
+        manager = RedisClaimManager(client=server.client())
+        assert manager.claim(Q, "t1", "worker-1", 600_000).acquired
+
+        server.restart(signal.SIGKILL)
+
+        manager = RedisClaimManager(client=server.client())
+        assert manager.is_claimed(Q, "t1") is None
+        assert isinstance(manager.claim(Q, "t1", "worker-2", 1_000), Success)
+    finally:
+        server.cleanup()
+
+
+def test_tokens_are_independent_of_the_client_that_issued_them(
+    manager: RedisClaimManager, redis_server: RedisServer
+) -> None:
+    token = manager.claim(Q, "t1", "w", 60_000).token
+    assert token is not None
+    rebuilt = ClaimToken(**{f: getattr(token, f) for f in token.__dataclass_fields__})
+
+    other = RedisClaimManager(client=redis_server.client(decode_responses=True))
+    other.release(rebuilt)
+
+    assert manager.is_claimed(Q, "t1") is None
+    assert isinstance(manager.claim(Q, "t1", "w2", 1), Success)
+    assert not isinstance(manager.claim(Q, "t1", "w3", 1), TookOver)
