@@ -7,8 +7,9 @@ from collections.abc import Iterator
 import pytest
 
 from celery_claims import RedisClaimManager
-from tests.servers import RedisServer
+from tests.servers import RedisServer, redis_server
 from tests.worker.helpers import unique
+from tests.worker.processes import Fleet
 
 
 @pytest.fixture
@@ -25,3 +26,20 @@ def claims(redis_server: RedisServer, key_prefix: str) -> Iterator[RedisClaimMan
         yield manager
     finally:
         manager.client.close()
+
+
+@pytest.fixture
+def fleet() -> Iterator[Fleet]:
+    """Worker/beat subprocesses of one test; every process group is killed at the end."""
+    procs = Fleet()
+    try:
+        yield procs
+    finally:
+        procs.cleanup()
+
+
+@pytest.fixture
+def private_redis() -> Iterator[RedisServer]:
+    """A Redis of this test alone (broker, result backend and claim store of its fleet)."""
+    with redis_server() as server:
+        yield server

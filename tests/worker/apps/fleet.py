@@ -1,0 +1,86 @@
+"""The app of the real ``celery worker`` subprocesses, configured from the environment.
+
+``CLAIMS_TEST_BROKER`` (broker URL), ``CLAIMS_TEST_BACKEND`` (Redis result backend and the
+execution log), ``CLAIMS_TEST_QUEUE`` (the test's queue), ``CLAIMS_TEST_PLUGIN`` ("0" runs the
+same app without celery-claims). Claim settings come from ``--claims-*`` worker options.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_claims.worker import install
+
+BROKER = os.environ["CLAIMS_TEST_BROKER"]
+BACKEND = os.environ["CLAIMS_TEST_BACKEND"]
+QUEUE = os.environ["CLAIMS_TEST_QUEUE"]
+
+app = Celery("fleet", broker=BROKER, backend=BACKEND)
+app.conf.update(
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={
+        "visibility_timeout": 3,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+    task_default_queue=QUEUE,
+    task_acks_late=True,
+    worker_prefetch_multiplier=1,
+    result_expires=None,
+)
+if os.environ.get("CLAIMS_TEST_PLUGIN", "1") == "1":
+    install(app)
+
+_log: redis.Redis | None = None
+
+
+def executions_key(queue: str) -> str:
+    """The Redis list every execution of a task of ``queue`` is logged to."""
+    return f"executions:{queue}"
+
+
+def record(event: str, task: Any) -> None:
+    """Log an execution event durably (RPUSH to the backend Redis), with who ran it."""
+    global _log
+    if _log is None:
+        _log = redis.Redis.from_url(BACKEND)
+    entry = {
+        "event": event,
+        "id": task.request.id,
+        "worker": task.request.hostname,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "at": time.time(),
+    }
+    _log.rpush(executions_key(QUEUE), json.dumps(entry))
+
+
+@app.task(bind=True, name="fleet.sleep")
+def sleep(self: Any, seconds: float) -> float:
+    """Sleep ``seconds``, logging the start and the end."""
+    record("start", self)
+    time.sleep(seconds)
+    record("end", self)
+    return seconds
+
+
+@app.task(bind=True, name="fleet.kill_child")
+def kill_child(self: Any) -> None:
+    """Kill the pool child running this task (the parent sees ``WorkerLostError``)."""
+    record("start", self)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@app.task(bind=True, name="fleet.hard_limit", time_limit=1.5)
+def hard_limit(self: Any) -> None:
+    """Run past the hard time limit (the child is killed by the pool)."""
+    record("start", self)
+    time.sleep(30)

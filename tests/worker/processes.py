@@ -1,0 +1,154 @@
+"""Real ``celery worker`` and ``celery beat`` subprocesses, each in its own process group.
+
+Every process is started with ``start_new_session=True`` so a test can SIGKILL a worker's whole
+process group (main process and pool children) like a crashed host, and the fixture's
+finalizer kills every group it started, whatever the test's outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+
+from tests.worker.helpers import FAST_REDELIVERY, HELD_RECHECK_MS, LEASE_MS, RENEW_INTERVAL_MS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Seconds a worker gets to print "ready".
+READY_TIMEOUT_S = 30.0
+
+
+class Proc:
+    """One subprocess with its log file."""
+
+    def __init__(self, name: str, popen: subprocess.Popen[bytes], log: Path) -> None:
+        self.name = name
+        self.popen = popen
+        self.log = log
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (the worker and its pool children)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> Proc:
+        deadline = time.monotonic() + timeout
+        while " ready." not in self.output():
+            if not self.alive():
+                raise AssertionError(f"{self.name} exited early:\n{self.output()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} not ready:\n{self.output()[-3000:]}")
+            time.sleep(0.1)
+        return self
+
+
+class Fleet:
+    """Starts worker and beat subprocesses for one test and kills them all at the end."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="claims-fleet-"))
+        self.procs: list[Proc] = []
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> Proc:
+        log = self.dir / f"{name}.log"
+        with log.open("wb") as out:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "celery", *args],
+                cwd=ROOT,
+                env={**os.environ, **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def worker(
+        self,
+        name: str,
+        *,
+        broker: str,
+        backend: str,
+        queue: str,
+        plugin: bool = True,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        claims_prefix: str = "claims",
+        extra: tuple[str, ...] = (),
+    ) -> Proc:
+        """Start ``celery worker`` on ``tests.worker.apps.fleet`` (claims set on the CLI)."""
+        args = [
+            "-A", "tests.worker.apps.fleet", "worker",
+            "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO",
+            "--without-mingle", "--without-gossip", "--without-heartbeat",
+        ]  # fmt: skip
+        if plugin:
+            args += [
+                "--claims-prefix", claims_prefix,
+                "--claims-lease-ms", str(LEASE_MS),
+                "--claims-renew-interval-ms", str(RENEW_INTERVAL_MS),
+                "--claims-held-recheck-ms", str(HELD_RECHECK_MS),
+                "--claims-unavailable-retry-ms", "200",
+                "--claims-unavailable-retry-max-ms", "1000",
+                "--claims-socket-timeout-ms", "1000",
+            ]  # fmt: skip
+        env = {
+            "CLAIMS_TEST_BROKER": broker,
+            "CLAIMS_TEST_BACKEND": backend,
+            "CLAIMS_TEST_QUEUE": queue,
+            "CLAIMS_TEST_PLUGIN": "1" if plugin else "0",
+        }
+        return self._spawn(name, [*args, *extra], env)
+
+    def beat(self, name: str, *, broker: str, queue: str) -> Proc:
+        """Start ``celery beat`` on ``tests.worker.apps.beat_app``."""
+        env = {"CLAIMS_TEST_BROKER": broker, "CLAIMS_TEST_QUEUE": queue}
+        schedule = self.dir / f"{name}-schedule"
+        args = ["-A", "tests.worker.apps.beat_app", "beat", "-l", "INFO", "-s", str(schedule)]
+        return self._spawn(name, args, env)
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {p.name}\n{p.output()[-4000:]}" for p in self.procs)
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            proc.kill_group(signal.SIGKILL)
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=10)
+
+
+def client_app(broker: str, backend: str, queue: str) -> Celery:
+    """The test's producer: sends the fleet's tasks by name and reads their results."""
+    app = Celery("fleet-client", broker=broker, backend=backend, set_as_current=False)
+    app.conf.update(
+        broker_connection_retry_on_startup=True,
+        broker_transport_options=dict(FAST_REDELIVERY),
+        task_default_queue=queue,
+        result_expires=None,
+    )
+    return app
+
+
+def executions(backend: str, queue: str) -> list[dict[str, Any]]:
+    """The execution log the fleet's tasks write (see ``apps/fleet.py``)."""
+    with contextlib.closing(redis.Redis.from_url(backend)) as client:
+        return [json.loads(raw) for raw in client.lrange(f"executions:{queue}", 0, -1)]

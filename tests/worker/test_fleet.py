@@ -1,0 +1,79 @@
+"""Real prefork ``celery worker`` subprocesses on a private Redis: redelivery and crashes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from celery_claims import RedisClaimManager
+from tests.servers import RedisServer
+from tests.worker.helpers import LEASE_MS, unique, wait_for
+from tests.worker.processes import Fleet, client_app, executions
+
+pytestmark = pytest.mark.slow
+
+#: kombu restores an unacked Redis message after this many seconds (FAST_REDELIVERY).
+VISIBILITY_TIMEOUT_S = 3
+
+
+def starts(backend: str, queue: str, task_id: str) -> list[dict[str, object]]:
+    return [e for e in executions(backend, queue) if e["id"] == task_id and e["event"] == "start"]
+
+
+@pytest.mark.parametrize("plugin", [True, False], ids=["with-claims", "without-claims"])
+def test_a_long_task_redelivered_by_redis_runs_exactly_once_with_claims(
+    plugin: bool, fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given two prefork workers (-c 2, acks_late) and a task longer than the visibility timeout
+    url, queue = private_redis.url, unique("q")
+    for name in ("a", "b"):
+        fleet.worker(name, broker=url, backend=url, queue=queue, plugin=plugin)
+    for proc in fleet.procs:
+        proc.wait_ready()
+    client = client_app(url, url, queue)
+
+    # When the 12 s task runs while Redis keeps finding its message unacked
+    result = client.send_task("fleet.sleep", (12,), task_id="long-1")
+    assert result.get(timeout=60) == 12
+    # the result is in as soon as the first execution ends; wait for any other copy too
+    time.sleep(VISIBILITY_TIMEOUT_S + 2)
+
+    # Then with claims it ran once; without, the redelivered copies ran again
+    runs = starts(url, queue, "long-1")
+    if plugin:
+        assert len(runs) == 1, fleet.logs()
+        redis_client = private_redis.client()
+        assert redis_client.llen(queue) == 0
+        assert redis_client.hlen("unacked") == 0
+    else:
+        assert len(runs) >= 2, "Redis did not redeliver: the with-claims case proves nothing"
+
+
+def test_killing_the_holding_worker_hands_the_task_to_the_other_worker(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given two prefork workers and a task running on one of them
+    url, queue = private_redis.url, unique("q")
+    for name in ("a", "b"):
+        fleet.worker(name, broker=url, backend=url, queue=queue)
+    workers = {p.name: p.wait_ready() for p in fleet.procs}
+    client = client_app(url, url, queue)
+    result = client.send_task("fleet.sleep", (4,), task_id="crash-1")
+    first = wait_for(lambda: starts(url, queue, "crash-1"), timeout=20, what="the first run")[0]
+    holder = str(first["worker"]).split("@")[0]
+
+    # When the holding worker's whole process group is killed mid-task
+    workers[holder].kill_group()
+    killed_at = time.monotonic()
+
+    # Then the other worker takes over and finishes it within lease + visibility + margin
+    margin_s = 10
+    assert result.get(timeout=LEASE_MS / 1000 + VISIBILITY_TIMEOUT_S + 4 + margin_s) == 4
+    took = time.monotonic() - killed_at
+    runs = starts(url, queue, "crash-1")
+    assert [str(r["worker"]).split("@")[0] for r in runs] == [holder, ({"a", "b"} - {holder}).pop()]
+    assert result.state == "SUCCESS", took
+    claims = RedisClaimManager(url=url)
+    assert claims.done_record(queue, "crash-1:0:0") is not None
+    assert claims.queue_stats()[queue].takeovers == 1
