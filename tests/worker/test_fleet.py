@@ -8,7 +8,7 @@ import pytest
 
 from celery_claims import RedisClaimManager
 from tests.servers import RedisServer
-from tests.worker.helpers import LEASE_MS, unique, wait_for
+from tests.worker.helpers import LEASE_MS, RENEW_INTERVAL_MS, unique, wait_for
 from tests.worker.processes import Fleet, client_app, executions
 
 pytestmark = pytest.mark.slow
@@ -77,3 +77,63 @@ def test_killing_the_holding_worker_hands_the_task_to_the_other_worker(
     claims = RedisClaimManager(url=url)
     assert claims.done_record(queue, "crash-1:0:0") is not None
     assert claims.queue_stats()[queue].takeovers == 1
+
+
+def test_child_sigkill_hard_time_limit_and_revoke_release_the_claim_once_leaving_no_key(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given one prefork worker
+    url, queue = private_redis.url, unique("q")
+    worker = fleet.worker("a", broker=url, backend=url, queue=queue, concurrency=3).wait_ready()
+    client = client_app(url, url, queue)
+    claims = RedisClaimManager(url=url)
+
+    # When one task's child is SIGKILLed, one exceeds its hard time limit, and one is revoked
+    # with terminate=True while it runs
+    killed = client.send_task("fleet.kill_child", task_id="kill-1")
+    limited = client.send_task("fleet.hard_limit", task_id="limit-1")
+    revoked = client.send_task("fleet.sleep", (30,), task_id="revoke-1")
+    wait_for(lambda: starts(url, queue, "revoke-1"), timeout=20, what="the revoked task to run")
+    client.control.revoke("revoke-1", terminate=True, signal="SIGKILL")
+
+    # Then each ends failed or revoked
+    for result, state in ((killed, "FAILURE"), (limited, "FAILURE"), (revoked, "REVOKED")):
+        wait_for(lambda r=result, s=state: r.state == s, timeout=20, what=f"{result.id} {state}")
+
+    # And each claim was released exactly once: no claim and no claim key is left behind
+    stats = claims.queue_stats()[queue]
+    assert stats.successes == 3
+    wait_for(lambda: claims.queue_stats()[queue].acks == 3, timeout=5, what="three releases")
+    assert claims.list_claims(queue) == []
+    assert private_redis.client().hlen(claims.keys(queue).claims) == 0
+    for task_id in ("kill-1", "limit-1", "revoke-1"):
+        assert claims.done_record(queue, f"{task_id}:0:0") is None
+    log = worker.output()
+    assert "completion handling failed" not in log
+    assert "could not release" not in log
+    assert worker.alive()
+
+
+def test_remaining_lease_never_drops_below_lease_minus_two_renew_intervals_on_prefork(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given a prefork worker running a 10 s task
+    url, queue = private_redis.url, unique("q")
+    fleet.worker("a", broker=url, backend=url, queue=queue).wait_ready()
+    client = client_app(url, url, queue)
+    claims = RedisClaimManager(url=url)
+    result = client.send_task("fleet.sleep", (10,), task_id="renew-prefork")
+    wait_for(lambda: claims.list_claims(queue), timeout=20, what="the claim")
+
+    # When the lease is sampled from outside until the task ends
+    remaining = []
+    while not result.ready():
+        seconds, micros = claims.client.time()
+        now = int(seconds) * 1000 + int(micros) // 1000
+        remaining += [t.expires_at - now for t in claims.list_claims(queue)]
+        time.sleep(0.05)
+
+    # Then it never fell below lease - 2 x renew interval
+    assert result.get(timeout=5) == 10
+    assert len(remaining) > 50
+    assert min(remaining) >= LEASE_MS - 2 * RENEW_INTERVAL_MS, min(remaining)
