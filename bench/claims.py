@@ -137,7 +137,8 @@ def main() -> None:
             )
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(
-        f"\nmedian of {args.rounds} rounds x {args.ops} cycles (time per cycle relative to lua-ref):"
+        f"\nmedian of {args.rounds} rounds x {args.ops} cycles"
+        " (time per cycle relative to lua-ref):"
         f"\n  lua-ref     1.00x  ({med['lua-ref']:.0f} cycles/s)"
         f"\n  redis-lock  {med['lua-ref'] / med['redis-lock']:.2f}x  ({med['redis-lock']:.0f}/s)"
         f"\n  claims      {med['lua-ref'] / med['claims']:.2f}x  ({med['claims']:.0f}/s)"

@@ -19,6 +19,7 @@ __all__ = [
     "ClaimNotFound",
     "ClaimTokenError",
     "CodecError",
+    "InsufficientReplicas",
     "InvalidArgument",
     "InvalidValueError",
     "IoError",
@@ -53,6 +54,27 @@ class BackendError(ClaimError):
 
 class BackendUnavailable(BackendError):
     """The claim store could not be reached (connection refused, timeout, loading, failover)."""
+
+
+class InsufficientReplicas(BackendError):
+    """A write reached the primary but fewer replicas than asked acknowledged it in time.
+
+    The write is not undone: a failover before replication could lose it. ``result`` holds
+    what the primary answered, so the caller can decide (the Celery gate retries later).
+
+    Attributes:
+        result: the operation's outcome on the primary (``None`` for release and complete).
+        acknowledged: how many replicas acknowledged the write.
+        required: how many were asked for.
+    """
+
+    def __init__(self, result: object, acknowledged: int, required: int) -> None:
+        super().__init__(
+            f"only {acknowledged} of {required} replicas acknowledged the write in time"
+        )
+        self.result = result
+        self.acknowledged = acknowledged
+        self.required = required
 
 
 class ClaimTokenError(ClaimError):

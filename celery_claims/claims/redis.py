@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from functools import cache
 from importlib import resources
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import redis
 import redis.exceptions as redis_errors
@@ -23,7 +23,13 @@ from redis.retry import Retry
 from celery_claims.claims.keys import DEFAULT_PREFIX, QueueKeys, queues_key, require_prefix
 from celery_claims.claims.status import token_error
 from celery_claims.clock import Clock
-from celery_claims.errors import BackendError, BackendUnavailable, ClaimTokenError, InvalidArgument
+from celery_claims.errors import (
+    BackendError,
+    BackendUnavailable,
+    ClaimTokenError,
+    InsufficientReplicas,
+    InvalidArgument,
+)
 from celery_claims.model import (
     AlreadyClaimed,
     AlreadyDone,
@@ -44,6 +50,8 @@ from celery_claims.validation import (
 )
 
 __all__ = ["RedisClaimManager", "RedisClient"]
+
+_T = TypeVar("_T")
 
 #: A standalone or cluster redis-py client.
 RedisClient: TypeAlias = "redis.Redis | redis.RedisCluster"
@@ -105,9 +113,15 @@ class RedisClaimManager:
         client: an existing ``redis.Redis`` or ``redis.RedisCluster`` (instead of ``url``).
         prefix: the first part of every key; must not contain ``{`` or ``}``.
         clock: returns epoch ms; ``None`` (the default) uses the Redis server's clock.
+        wait_replicas: after each write (claim, release, complete, extend, renew), block until
+            this many replicas acknowledged it (Redis ``WAIT``; one more round trip). 0, the
+            default, does not wait. Standalone primaries only.
+        wait_timeout_ms: the longest ``WAIT`` blocks; fewer acknowledgements then raise
+            :class:`InsufficientReplicas`.
 
     Raises:
-        InvalidArgument: neither or both of ``url`` and ``client``, or a bad prefix.
+        InvalidArgument: neither or both of ``url`` and ``client``, a bad prefix, or
+            ``wait_replicas`` with a Cluster client.
     """
 
     def __init__(
@@ -117,6 +131,8 @@ class RedisClaimManager:
         client: RedisClient | None = None,
         prefix: str = DEFAULT_PREFIX,
         clock: Clock | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1_000,
     ) -> None:
         if (url is None) == (client is None):
             raise InvalidArgument("url", "pass exactly one of url= and client=")
@@ -131,9 +147,17 @@ class RedisClaimManager:
             )
         if clock is not None and not callable(clock):
             raise InvalidArgument("clock", "must be a callable returning epoch ms, or None")
+        require_ms("wait_timeout_ms", wait_timeout_ms)
+        if isinstance(wait_replicas, bool) or not isinstance(wait_replicas, int):
+            raise InvalidArgument("wait_replicas", "must be an int")
+        if not 0 <= wait_replicas <= 64:
+            raise InvalidArgument("wait_replicas", f"must be 0..64, got {wait_replicas}")
+        if wait_replicas and isinstance(client, redis.RedisCluster):
+            raise InvalidArgument("wait_replicas", "WAIT is supported on standalone Redis only")
         self.client: RedisClient = client
         self.prefix = require_prefix(prefix)
         self._clock = clock
+        self._wait = (wait_replicas, wait_timeout_ms)
         self._queues_key = queues_key(self.prefix)
         self._known_queues: set[str] = set()
         self._scripts: dict[str, Script] = {
@@ -146,6 +170,16 @@ class RedisClaimManager:
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         with translate_errors():
             return self._scripts[name](keys=keys, args=args)
+
+    def _replicated(self, result: _T) -> _T:
+        """Return ``result`` once enough replicas have the write (when asked to wait)."""
+        required, timeout_ms = self._wait
+        if required:
+            with translate_errors():
+                acknowledged = int(self.client.wait(required, timeout_ms))
+            if acknowledged < required:
+                raise InsufficientReplicas(result, acknowledged, required)
+        return result
 
     def _register(self, queue_id: str) -> None:
         # The queue set lives in another Cluster slot, so it cannot be written inside the claim
@@ -181,7 +215,9 @@ class RedisClaimManager:
             keys.claim_keys,
             [task_id, owner, lease_ms, self._now(), "1" if honour_done else "0"],
         )
-        return _gate_result(reply, queue_id, task_id, owner)
+        result = _gate_result(reply, queue_id, task_id, owner)
+        # a refusal wrote only counters: nothing worth waiting for
+        return self._replicated(result) if result.acquired else result
 
     def release(self, token: ClaimToken) -> None:
         """See :meth:`celery_claims.ClaimManager.release`."""
@@ -198,6 +234,7 @@ class RedisClaimManager:
         status = int(reply[0])
         if status != ClaimStatus.SUCCESS:
             raise token_error(status, token)
+        self._replicated(None)
 
     def extend(self, queue_id: str, token: ClaimToken, additional_ms: int) -> ClaimToken:
         """See :meth:`celery_claims.ClaimManager.extend`."""
@@ -212,8 +249,15 @@ class RedisClaimManager:
         status = int(reply[0])
         if status != ClaimStatus.SUCCESS:
             raise token_error(status, token)
-        return ClaimToken(
-            queue_id, token.task_id, _text(reply[4]), int(reply[1]), int(reply[2]), int(reply[3])
+        return self._replicated(
+            ClaimToken(
+                queue_id,
+                token.task_id,
+                _text(reply[4]),
+                int(reply[1]),
+                int(reply[2]),
+                int(reply[3]),
+            )
         )
 
     def is_claimed(self, queue_id: str, task_id: str) -> tuple[str, int] | None:
@@ -346,7 +390,7 @@ class RedisClaimManager:
                 results.append(renewed)
             else:
                 results.append(token_error(int(status), token))
-        return results
+        return self._replicated(results)
 
 
 def _gate_result(reply: Any, queue_id: str, task_id: str, owner: str) -> GateResult:

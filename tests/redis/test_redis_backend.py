@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +15,7 @@ from redis.crc import key_slot
 from celery_claims import (
     BackendUnavailable,
     ClaimToken,
+    InsufficientReplicas,
     InvalidArgument,
     RedisClaimManager,
     Success,
@@ -216,3 +218,40 @@ def test_tokens_are_independent_of_the_client_that_issued_them(
     assert manager.is_claimed(Q, "t1") is None
     assert isinstance(manager.claim(Q, "t1", "w2", 1), Success)
     assert not isinstance(manager.claim(Q, "t1", "w3", 1), TookOver)
+
+
+def test_wait_replicas_returns_once_a_replica_holds_the_claim() -> None:
+    # no diskless-sync delay: the default waits 5 s for more replicas before the first sync
+    primary = RedisServer(["--repl-diskless-sync-delay", "0"]).start()
+    replica = RedisServer().start()
+    try:
+        replica.client().replicaof("127.0.0.1", primary.port)
+        manager = RedisClaimManager(client=primary.client(), wait_replicas=1, wait_timeout_ms=5_000)
+        deadline = time.monotonic() + 10
+        # a replica still in its initial sync is listed but cannot acknowledge a WAIT
+        while primary.client().info("replication").get("slave0", {}).get("state") != "online":
+            assert time.monotonic() < deadline, "the replica never connected"
+            time.sleep(0.05)
+
+        token = manager.claim(Q, "t1", "w", 60_000).token
+        assert token is not None
+
+        # acknowledged by the replica: a failover to it right now would keep the claim
+        on_replica = RedisClaimManager(client=replica.client())
+        assert on_replica.is_claimed(Q, "t1") == ("w", token.expires_at)
+
+        greedy = RedisClaimManager(client=primary.client(), wait_replicas=2, wait_timeout_ms=50)
+        with pytest.raises(InsufficientReplicas) as raised:
+            greedy.claim(Q, "t2", "w", 60_000)
+        assert (raised.value.acknowledged, raised.value.required) == (1, 2)
+        assert isinstance(raised.value.result, Success)  # written on the primary all the same
+        assert manager.is_claimed(Q, "t2") is not None
+    finally:
+        replica.cleanup()
+        primary.cleanup()
+
+
+@pytest.mark.parametrize("bad", [-1, 65, True, 1.0])
+def test_wait_replicas_is_validated(bad: object) -> None:
+    with pytest.raises(InvalidArgument, match="wait_replicas"):
+        RedisClaimManager(url="redis://127.0.0.1:1", wait_replicas=bad)  # type: ignore[arg-type]
