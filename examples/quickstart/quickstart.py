@@ -59,7 +59,9 @@ def demo(url: str) -> None:
 
     first = claims.claim("emails", "send-invoice-42", "worker-a/101/1", lease_ms=300)
     assert isinstance(first, Success)
-    print(f"worker-a claims the task:        {type(first).__name__}, instance {first.token.instance}")
+    print(
+        f"worker-a claims the task:        {type(first).__name__}, instance {first.token.instance}"
+    )
 
     second = claims.claim("emails", "send-invoice-42", "worker-b/202/1", lease_ms=300)
     assert isinstance(second, AlreadyClaimed)
