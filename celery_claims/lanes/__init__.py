@@ -3,9 +3,8 @@
 The port of the original's ``TaskClaimStore``: value types, the store protocol, the generic
 claim algorithm, and three stores (memory, Redis, SQL). See ``docs/lanes.md``.
 
-The Redis and SQL stores live in :mod:`celery_claims.lanes.redis` and
-:mod:`celery_claims.lanes.sql` and are imported from there, so SQLAlchemy is needed only by
-those who use the SQL store.
+The SQL store lives in :mod:`celery_claims.lanes.sql` and is imported from there, so
+SQLAlchemy (the ``sql`` extra) is needed only by those who use it.
 """
 
 from celery_claims.errors import (
@@ -40,6 +39,7 @@ from celery_claims.lanes.model import (
     raise_for_status,
 )
 from celery_claims.lanes.protocol import AsyncTaskClaimStore, TaskClaimStore
+from celery_claims.lanes.redis import RedisTaskClaimStore
 
 __all__ = [
     # limits
@@ -66,6 +66,7 @@ __all__ = [
     "utc_now",
     # stores and adapters
     "MemoryTaskClaimStore",
+    "RedisTaskClaimStore",
     "ThreadedAsyncStore",
     # errors
     "CodecError",
