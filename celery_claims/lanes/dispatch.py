@@ -94,6 +94,8 @@ def _candidates(
 ) -> list[TaskClaimCandidate]:
     candidates: list[TaskClaimCandidate] = []
     for index, task in enumerate(due):
+        if not isinstance(task, ClaimableTaskRecord):
+            raise InvalidValueError(f"listed task has no id, kind or processing_token: {task!r}")
         task_lane_value = task_lane(task.kind)
         if task_lane_value != lane_config.lane:
             logger.warning(

@@ -109,6 +109,10 @@ def run_worker(spec: WorkerSpec) -> WorkerLog:
                 except LeaseLost:
                     log.lost.append((lease.task_id, lease.processing_token))
                     continue
+                # The lane promises nothing past the lease (a real worker would heartbeat); only
+                # a stalled process gets there, so the interval is clipped to the lease.
+                finish = min(finish, lease_ends.timestamp())
+                start = min(start, finish)
                 log.completed.append((lease.task_id, lease.processing_token, start, finish))
     finally:
         store.close()

@@ -430,3 +430,11 @@ def test_threaded_adapter_runs_a_sync_store_under_asyncio() -> None:
     # Then each lane claims its own task
     assert [lease for _, lease in mail] == [TaskLease(1, 1)]
     assert [lease for _, lease in reports] == [TaskLease(2, 1)]
+
+
+def test_listed_object_that_is_no_task_record_is_refused(store: RecordingStore) -> None:
+    store.inner.enqueue(1, "send_email", next_run_at=T0)
+    store.listing = [object()]
+    with pytest.raises(InvalidValueError, match="no id, kind or processing_token"):
+        claim_due_for_lane(store, MAIL, 30, lane_of, clock=fixed(T0, T0))
+    assert "claim" not in store.names()
