@@ -31,13 +31,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 import sqlalchemy as sa
 
-from celery_claims.lanes import TaskClaimCandidate, TaskLaneConfig
+from celery_claims.lanes import TaskClaimCandidate, TaskClaimStore, TaskLaneConfig
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.lanes.sql import SqlTaskClaimStore
 
@@ -107,14 +108,14 @@ def private_redis() -> Iterator[int]:
 LANE = TaskLaneConfig(lane="bench", kinds=("job",), limit=UNBOUNDED)
 
 
-def claim_rate(store: object, tasks: int, batch: int) -> float:
+def claim_rate(store: TaskClaimStore[Any, str, str], tasks: int, batch: int) -> float:
     """Claimed tasks per second for ``tasks`` due tasks claimed ``batch`` at a time."""
     lane = LANE
     batches = [
         [TaskClaimCandidate(i, task_id, 0, 1) for i, task_id in enumerate(range(s, s + batch))]
         for s in range(0, tasks, batch)
     ]
-    claim = store.claim_candidates_for_lane  # type: ignore[attr-defined]
+    claim = store.claim_candidates_for_lane
     started = time.perf_counter()
     claimed = 0
     for candidates in batches:

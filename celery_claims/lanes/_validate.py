@@ -174,6 +174,7 @@ class LaneRegistry(Generic[Kind, Lane]):
     def lane_for_kind(self, kind: object) -> TaskLaneConfig[Kind, Lane]:
         """The registered lane of ``kind``."""
         try:
+            # Any object may arrive here; an unhashable one raises TypeError, handled below.
             return self.lane_of_kind[kind]  # type: ignore[index]
         except (KeyError, TypeError):
             raise InvalidValueError(f"kind {kind!r} belongs to no lane of this store") from None

@@ -179,7 +179,8 @@ def test_bad_lane_config_is_refused_on_construction(fields: dict[str, Any], frag
 
 
 def test_lane_config_accepts_a_list_of_kinds_and_keeps_a_tuple() -> None:
-    lane = TaskLaneConfig("mail", ["a", "b"], 1)  # type: ignore[arg-type]
+    # A list where the annotation says tuple: accepted at run time, on purpose.
+    lane: TaskLaneConfig[str, str] = TaskLaneConfig("mail", ["a", "b"], 1)  # type: ignore[arg-type]
     assert lane.kinds == ("a", "b")
     assert lane.lane_key == "mail"
     assert dataclasses.replace(lane, lock_key="mail-lock").lane_key == "mail-lock"

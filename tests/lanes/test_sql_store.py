@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from celery_claims.lanes import IoError, TaskClaimCandidate, TaskLaneConfig, claim_due_for_lane
+from celery_claims.lanes import (
+    ClaimedTask,
+    IoError,
+    TaskClaimCandidate,
+    TaskLaneConfig,
+    claim_due_for_lane,
+)
 from celery_claims.lanes.sql import SqlTaskClaimStore
 from tests.lanes.conftest import LANES, MAIL, T0, Postgres, lane_of
 from tests.lanes.intervals import max_overlap
@@ -37,7 +43,7 @@ def test_postgres_claim_waits_for_the_lane_lock_row(postgres: Postgres) -> None:
         holder.execute(
             sa.select(store.locks).where(store.locks.c.lock_key == "mail").with_for_update()
         )
-        result: list[object] = []
+        result: list[ClaimedTask] = []
 
         def claim() -> None:
             result.extend(
@@ -60,7 +66,7 @@ def test_postgres_claim_waits_for_the_lane_lock_row(postgres: Postgres) -> None:
         transaction.rollback()
         holder.close()
         worker.join(timeout=30)
-        assert [c.task_id for c in result] == [1]  # type: ignore[attr-defined]
+        assert [c.task_id for c in result] == [1]
     finally:
         store.drop_tables()
 
