@@ -1,0 +1,321 @@
+"""An optional Prometheus exporter (``pip install 'celery-claims[prometheus]'``).
+
+Two collectors, read at scrape time, so nothing is counted twice and nothing costs anything
+between scrapes:
+
+- :class:`WorkerCollector`: one worker's events, from its ``worker.claims.counters`` (the
+  counters the claim gate and the lease keeper keep): claims, contentions, takeovers, skipped
+  copies by reason, renewals, lease losses, completions; gauges for its live claims and held
+  copies. Labelled ``worker``.
+- :class:`StoreCollector`: the fleet-wide view from the claim store: per-queue counters and live
+  claims, and lane occupancy. One exporter per fleet is enough for these (``celery claims
+  metrics``), but every worker may export them too.
+
+``install_metrics(app, port=...)`` starts an exporter in each worker's main process (where the
+gate runs) once the worker is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.errors import ClaimError, InvalidArgument
+from celery_claims.observe import lane_occupancy, server_now_ms
+
+__all__ = [
+    "StoreCollector",
+    "WorkerCollector",
+    "install_metrics",
+    "serve_store_metrics",
+    "worker_registry",
+]
+
+logger = logging.getLogger("celery_claims.metrics")
+
+#: (metric, help, {label value: counter names summed into it}) of the worker's counters.
+_WORKER_COUNTERS: tuple[tuple[str, str, str, dict[str, tuple[str, ...]]], ...] = (
+    (
+        "celery_claims_claims",
+        "Claims acquired by this worker, by result.",
+        "result",
+        {"acquired": ("acquired",), "took_over": ("took_over",)},
+    ),
+    (
+        "celery_claims_skipped_copies",
+        "Copies not run when delivered: done (acked unrun), held (another worker's lease is "
+        "live; kept unacked), unavailable (claim store down; kept unacked).",
+        "reason",
+        {"done": ("skipped_done",), "held": ("held",), "unavailable": ("held_unavailable",)},
+    ),
+    (
+        "celery_claims_completions",
+        "Claims ended by this worker: done (completion recorded), released (failure, revoke, "
+        "rejection), deferred (completion retried because the store was down).",
+        "result",
+        {
+            "done": ("completed",),
+            "released": ("released",),
+            "deferred": ("completion_deferred",),
+        },
+    ),
+)
+
+#: (metric, help, counter name) of the worker's unlabelled counters.
+_WORKER_SINGLE: tuple[tuple[str, str, str], ...] = (
+    ("celery_claims_contentions", "Copies that found another worker's live lease.", "held"),
+    ("celery_claims_takeovers", "Expired leases of other workers taken over.", "took_over"),
+    ("celery_claims_renewals", "Leases renewed by the lease keeper.", "renewals"),
+    (
+        "celery_claims_renewal_failures",
+        "Renewal rounds that could not reach the claim store.",
+        "renew_unavailable",
+    ),
+    ("celery_claims_lease_losses", "Running tasks whose lease was lost (fenced).", "lease_lost"),
+    (
+        "celery_claims_fenced_successes",
+        "Successes not recorded as done because the lease had been lost.",
+        "fenced_success",
+    ),
+    ("celery_claims_held_rechecks", "Re-checks of held copies.", "rechecks"),
+)
+
+_STORE_FIELDS = ("attempts", "successes", "contentions", "takeovers", "acks", "expirations")
+
+
+class WorkerCollector(Collector):
+    """Exports one worker's claim counters and gauges.
+
+    Args:
+        runtime: the worker's ``ClaimsRuntime`` (``worker.claims``): anything with
+            ``counters.snapshot()``, ``live_claims()``, ``held_copies()`` and ``hostname``.
+
+    Raises:
+        InvalidArgument: ``runtime`` lacks those.
+    """
+
+    def __init__(self, runtime: Any) -> None:
+        for name in ("counters", "live_claims", "held_copies", "hostname"):
+            if not hasattr(runtime, name):
+                raise InvalidArgument("runtime", f"has no {name!r}: pass worker.claims")
+        self.runtime = runtime
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """The metric families at this instant."""
+        values: dict[str, int] = self.runtime.counters.snapshot()
+        worker = str(self.runtime.hostname)
+        for metric, doc, label, parts in _WORKER_COUNTERS:
+            family = CounterMetricFamily(metric, doc, labels=["worker", label])
+            for label_value, names in parts.items():
+                family.add_metric([worker, label_value], sum(values.get(n, 0) for n in names))
+            yield family
+        for metric, doc, name in _WORKER_SINGLE:
+            family = CounterMetricFamily(metric, doc, labels=["worker"])
+            family.add_metric([worker], values.get(name, 0))
+            yield family
+        live = GaugeMetricFamily(
+            "celery_claims_worker_live_claims", "Claims this worker holds now.", labels=["worker"]
+        )
+        live.add_metric([worker], len(self.runtime.live_claims()))
+        yield live
+        held = GaugeMetricFamily(
+            "celery_claims_worker_held_copies",
+            "Copies this worker keeps unacked now (held or store down).",
+            labels=["worker"],
+        )
+        held.add_metric([worker], len(self.runtime.held_copies()))
+        yield held
+
+
+class StoreCollector(Collector):
+    """Exports the fleet-wide view of a claim store: per-queue counters, live claims, lanes.
+
+    A scrape costs about four round trips (queues, counters, live claims, lane scan). When the
+    store cannot be reached the scrape still answers, with ``celery_claims_store_up 0``.
+
+    Args:
+        manager: the claim store.
+        lane_limits: lane key -> limit, exported as ``celery_claims_lane_limit``.
+        lanes: also export lane occupancy (a ``SCAN`` per scrape).
+    """
+
+    def __init__(
+        self,
+        manager: RedisClaimManager,
+        *,
+        lane_limits: Mapping[str, int] | None = None,
+        lanes: bool = True,
+    ) -> None:
+        if not isinstance(manager, RedisClaimManager):
+            raise InvalidArgument("manager", "must be a RedisClaimManager")
+        self.manager = manager
+        self.lane_limits = dict(lane_limits or {})
+        self.lanes = lanes
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """The metric families at this instant."""
+        up = GaugeMetricFamily("celery_claims_store_up", "1 if the claim store answered.")
+        try:
+            now = server_now_ms(self.manager.client)
+            per_queue = self.manager.queue_stats()
+            live = {q: self.manager.active_claims(q) for q in per_queue}
+            lanes = (
+                lane_occupancy(
+                    self.manager.client, self.manager.prefix, now_ms=now, limits=self.lane_limits
+                )
+                if self.lanes
+                else []
+            )
+        except ClaimError as exc:
+            logger.warning("celery-claims metrics: claim store unavailable: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        for name in _STORE_FIELDS:
+            family = CounterMetricFamily(
+                f"celery_claims_store_{name}",
+                f"Claim store counter '{name}' of each queue (all workers).",
+                labels=["queue"],
+            )
+            for queue, stats in per_queue.items():
+                family.add_metric([queue], getattr(stats, name))
+            yield family
+        gauge = GaugeMetricFamily(
+            "celery_claims_live_claims",
+            "Live claims of each queue (all workers).",
+            labels=["queue"],
+        )
+        for queue, count in live.items():
+            gauge.add_metric([queue], count)
+        yield gauge
+        active = GaugeMetricFamily(
+            "celery_claims_lane_active",
+            "Tasks processing in each lane now.",
+            labels=["lane", "kind"],
+        )
+        waiting = GaugeMetricFamily(
+            "celery_claims_lane_waiting", "Tasks waiting in each lane.", labels=["lane", "kind"]
+        )
+        for lane in lanes:
+            active.add_metric([lane.lane, lane.kind], lane.active)
+            waiting.add_metric([lane.lane, lane.kind], lane.waiting)
+        yield active
+        yield waiting
+        limit = GaugeMetricFamily(
+            "celery_claims_lane_limit", "Limit of each lane.", labels=["lane"]
+        )
+        for lane_key, value in sorted(self.lane_limits.items()):
+            limit.add_metric([lane_key], value)
+        yield limit
+
+
+def _serve(registry: CollectorRegistry, port: int, addr: str) -> tuple[Any, int]:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidArgument("port", f"must be an int in 0..65535, got {port!r:.80}")
+    if not isinstance(addr, str) or not addr:
+        raise InvalidArgument("addr", f"must be a non-empty str, got {addr!r:.80}")
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server, int(server.server_port)
+
+
+def serve_store_metrics(
+    manager: RedisClaimManager,
+    *,
+    port: int = 9808,
+    addr: str = "127.0.0.1",
+    lane_limits: Mapping[str, int] | None = None,
+) -> int:
+    """Serve :class:`StoreCollector` over HTTP in a daemon thread; return the bound port.
+
+    Args:
+        manager: the claim store.
+        port: TCP port (0 picks a free one).
+        addr: address to listen on.
+        lane_limits: lane key -> limit.
+
+    Raises:
+        InvalidArgument: a bad port or address.
+        OSError: the port is taken.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(manager, lane_limits=lane_limits))
+    return _serve(registry, port, addr)[1]
+
+
+def worker_registry(runtime: Any, *, store: bool = True) -> CollectorRegistry:
+    """A registry with the worker's collector (and the store's, with ``store``)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkerCollector(runtime))
+    if store:
+        registry.register(StoreCollector(runtime.manager))
+    return registry
+
+
+_servers_lock = threading.Lock()
+_servers: dict[int, Any] = {}
+
+
+def install_metrics(
+    app: Any,
+    *,
+    port: int | None = None,
+    addr: str = "127.0.0.1",
+    store: bool = True,
+    on_serving: Callable[[int], None] | None = None,
+) -> None:
+    """Export each worker's metrics over HTTP once it is ready (idempotent per app).
+
+    Call it next to ``celery_claims.install(app)``. The exporter runs in the worker's main
+    process, where the claim gate and the lease keeper count, so prefork children need no
+    multiprocess mode.
+
+    Args:
+        app: the Celery app.
+        port: TCP port (default: the app's ``claims_metrics_port`` setting, else 9808); one
+            port per worker, so give each worker on a host its own (``claims_metrics_port``
+            can be set per worker through the environment of its config module).
+        addr: address to listen on.
+        store: also export the fleet-wide claim store view.
+        on_serving: called with the bound port once serving (for tests and logs).
+
+    Raises:
+        InvalidArgument: a bad port or address.
+    """
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
+        raise InvalidArgument("port", f"must be an int, got {port!r:.80}")
+    if not isinstance(addr, str) or not addr:
+        raise InvalidArgument("addr", f"must be a non-empty str, got {addr!r:.80}")
+    if getattr(app, "_celery_claims_metrics", False):
+        return
+    app._celery_claims_metrics = True
+    conf = app.conf
+    from celery.signals import worker_ready
+
+    def start(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is not app:
+            return
+        runtime = getattr(getattr(sender, "controller", None), "claims", None)
+        if runtime is None:
+            logger.warning("celery-claims metrics: install(app) has not run; nothing to export")
+            return
+        with _servers_lock:
+            if id(runtime) in _servers:
+                return
+            chosen = port if port is not None else int(conf.get("claims_metrics_port", 9808))
+            server, bound = _serve(worker_registry(runtime, store=store), chosen, addr)
+            _servers[id(runtime)] = server
+        logger.info("celery-claims metrics on http://%s:%d/metrics", addr, bound)
+        if on_serving is not None:
+            on_serving(bound)
+
+    # weak=False: the receiver is a closure nothing else references
+    worker_ready.connect(start, weak=False)

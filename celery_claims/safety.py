@@ -1,0 +1,219 @@
+"""The unsafe-settings report: Celery settings that weaken or defeat claims, and their fix.
+
+:func:`check_settings` is a pure function of a configuration (a Celery ``app.conf`` or any
+mapping), so the same rules serve ``celery claims check`` and a worker that checks itself when
+it starts. Each :class:`Finding` names the setting, says what goes wrong and how to fix it.
+
+This module imports neither Celery nor kombu: the defaults it assumes for unset Celery keys are
+spelled here (Celery 5.x values).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from celery_claims.errors import InvalidArgument
+
+__all__ = [
+    "CELERY_DEFAULT_PREFETCH_MULTIPLIER",
+    "KOMBU_DEFAULT_VISIBILITY_TIMEOUT_S",
+    "Finding",
+    "Severity",
+    "check_settings",
+]
+
+#: kombu's Redis transport restores an unacked message after this many seconds by default.
+KOMBU_DEFAULT_VISIBILITY_TIMEOUT_S = 3600.0
+#: Celery's default ``worker_prefetch_multiplier``.
+CELERY_DEFAULT_PREFETCH_MULTIPLIER = 4
+#: A crash takeover waits for the later of the lease and the visibility timeout; beyond this
+#: ratio the lease no longer decides how long a crashed worker's task waits.
+TAKEOVER_DELAY_RATIO = 10
+
+# Claim setting defaults, read from the settings module's constants without importing it (it
+# belongs to the Celery integration); kept equal by tests/cli/test_safety.py.
+_DEFAULT_LEASE_MS = 60_000
+_DEFAULT_RENEW_INTERVAL_MS = 15_000
+
+_REDIS_BROKERS = ("redis://", "rediss://", "sentinel://", "redis+socket://", "socket://")
+
+
+class Severity(str, enum.Enum):
+    """How much a finding matters."""
+
+    #: Claims cannot deliver what they promise with this setting.
+    ERROR = "error"
+    #: Claims still hold, but work is duplicated, delayed or held needlessly.
+    WARNING = "warning"
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One unsafe setting.
+
+    Attributes:
+        key: the setting (or settings) at fault, as written in the configuration.
+        severity: how much it matters.
+        message: what goes wrong, then the fix, in one or two sentences.
+    """
+
+    key: str
+    severity: Severity
+    message: str
+
+    def as_dict(self) -> dict[str, str]:
+        """A JSON-ready form: ``{"key", "severity", "message"}``."""
+        return {"key": self.key, "severity": self.severity.value, "message": self.message}
+
+
+def _number(conf: Any, key: str, default: float | None) -> float | None:
+    value = conf.get(key, None)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(key, f"must be a number, got {value!r:.80}")
+    return float(value)
+
+
+def _broker_url(conf: Any) -> str:
+    url = conf.get("broker_url", None)
+    if isinstance(url, (list, tuple)):
+        url = url[0] if url else None
+    if not isinstance(url, str):
+        return ""
+    # a failover list "redis://a;redis://b" has one transport
+    return url.split(";")[0].strip()
+
+
+def check_settings(conf: Mapping[str, Any] | Any) -> list[Finding]:
+    """Report the settings of ``conf`` that weaken or defeat claims.
+
+    Args:
+        conf: a Celery ``app.conf`` or any mapping of lower-case setting names (only ``get``
+            is used; unset keys take Celery's and celery-claims' defaults).
+
+    Returns:
+        The findings, errors first; empty when nothing is unsafe.
+
+    Raises:
+        InvalidArgument: ``conf`` has no ``get``, or a setting the checks read has the wrong
+            type.
+    """
+    if not callable(getattr(conf, "get", None)):
+        raise InvalidArgument("conf", f"must be a mapping or app.conf, got {type(conf).__name__}")
+    findings: list[Finding] = []
+    acks_late = bool(conf.get("task_acks_late", False))
+    if not acks_late:
+        findings.append(
+            Finding(
+                "task_acks_late",
+                Severity.ERROR,
+                "task_acks_late is off: a message is acknowledged before its task runs, so a "
+                "worker that dies mid-task loses it and no other worker can take it over. "
+                "Set task_acks_late = True.",
+            )
+        )
+
+    lease_ms = _number(conf, "claims_lease_ms", _DEFAULT_LEASE_MS)
+    renew_ms = _number(conf, "claims_renew_interval_ms", _DEFAULT_RENEW_INTERVAL_MS)
+    assert lease_ms is not None
+    assert renew_ms is not None
+    refresh = conf.get("claims_refresh_unacked", True)
+
+    if _broker_url(conf).startswith(_REDIS_BROKERS):
+        options = conf.get("broker_transport_options", None) or {}
+        if not isinstance(options, Mapping):
+            raise InvalidArgument("broker_transport_options", "must be a dict")
+        raw = options.get("visibility_timeout", KOMBU_DEFAULT_VISIBILITY_TIMEOUT_S)
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise InvalidArgument(
+                "broker_transport_options", f"visibility_timeout must be seconds, got {raw!r:.80}"
+            )
+        visibility_ms = float(raw) * 1000
+        if refresh is False:
+            findings.append(
+                Finding(
+                    "claims_refresh_unacked",
+                    Severity.WARNING,
+                    f"claims_refresh_unacked is off: every task running longer than "
+                    f"visibility_timeout ({raw:g} s) is redelivered while it runs, and each "
+                    f"copy is held unacked until it ends. Leave claims_refresh_unacked = True.",
+                )
+            )
+        elif renew_ms * 2 > visibility_ms:
+            findings.append(
+                Finding(
+                    "claims_renew_interval_ms",
+                    Severity.WARNING,
+                    f"claims_renew_interval_ms ({renew_ms:g} ms) is more than half of "
+                    f"visibility_timeout ({raw:g} s): Redis can restore a running task's "
+                    f"message between two refreshes and deliver a copy. Set "
+                    f"claims_renew_interval_ms below {visibility_ms / 2:g} ms.",
+                )
+            )
+        if visibility_ms > TAKEOVER_DELAY_RATIO * lease_ms:
+            findings.append(
+                Finding(
+                    "broker_transport_options.visibility_timeout",
+                    Severity.WARNING,
+                    f"visibility_timeout ({raw:g} s) is more than {TAKEOVER_DELAY_RATIO}x "
+                    f"claims_lease_ms ({lease_ms:g} ms): a crashed worker's task waits for "
+                    f"Redis to restore its message, not for its lease, before another worker "
+                    f"takes it over. Set broker_transport_options['visibility_timeout'] to "
+                    f"2-5x the lease (e.g. {max(lease_ms * 3 / 1000, 1):g}).",
+                )
+            )
+
+    hard = _number(conf, "task_time_limit", None)
+    soft = _number(conf, "task_soft_time_limit", None)
+    if hard is None:
+        findings.append(
+            Finding(
+                "task_time_limit",
+                Severity.WARNING,
+                "task_time_limit is not set: a hung task keeps renewing its lease forever, so "
+                "its claim is never released and no copy of it can run. Set task_time_limit "
+                "(seconds) to the longest a task may run.",
+            )
+        )
+    elif soft is not None and soft >= hard:
+        findings.append(
+            Finding(
+                "task_soft_time_limit",
+                Severity.WARNING,
+                f"task_soft_time_limit ({soft:g} s) is not below task_time_limit ({hard:g} s): "
+                f"the task is killed before it can clean up, and its claim is released "
+                f"without a chance to finish. Set the soft limit below the hard one.",
+            )
+        )
+
+    prefetch = _number(conf, "worker_prefetch_multiplier", CELERY_DEFAULT_PREFETCH_MULTIPLIER)
+    if acks_late and prefetch is not None and prefetch != 1:
+        what = "unlimited (0)" if prefetch == 0 else f"{prefetch:g}"
+        findings.append(
+            Finding(
+                "worker_prefetch_multiplier",
+                Severity.WARNING,
+                f"worker_prefetch_multiplier is {what}: with task_acks_late each worker "
+                f"reserves more messages than it can run, and reserved messages wait unacked "
+                f"(on Redis they are restored and delivered again after visibility_timeout). "
+                f"Set worker_prefetch_multiplier = 1.",
+            )
+        )
+
+    if acks_late and conf.get("worker_cancel_long_running_tasks_on_connection_loss", False):
+        findings.append(
+            Finding(
+                "worker_cancel_long_running_tasks_on_connection_loss",
+                Severity.WARNING,
+                "worker_cancel_long_running_tasks_on_connection_loss is on: a broker hiccup "
+                "kills every running task and runs it again from the start. With claims the "
+                "running copy can finish and record completion while the redelivered copy "
+                "is held and then acknowledged unrun. Set it to False.",
+            )
+        )
+    findings.sort(key=lambda f: f.severity != Severity.ERROR)
+    return findings
