@@ -87,6 +87,23 @@ def name(what: str, value: object) -> str:
         raise InvalidValueError(f"{what} must be a non-empty str, got {value!r}")
     if len(value) > MAX_NAME_LENGTH:
         raise InvalidValueError(f"{what} must be at most {MAX_NAME_LENGTH} characters")
+    return text(what, value)
+
+
+def text(what: str, value: object) -> str:
+    """Check text every store can keep: a ``str`` of valid UTF-8 without NUL characters.
+
+    PostgreSQL refuses NUL in text, and a lone surrogate cannot be encoded for Redis; refusing
+    both everywhere keeps the stores interchangeable.
+    """
+    if not isinstance(value, str):
+        raise InvalidValueError(f"{what} must be a str, got {type(value).__name__}")
+    if "\x00" in value:
+        raise InvalidValueError(f"{what} must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidValueError(f"{what} is not valid UTF-8 text: {exc.reason}") from exc
     return value
 
 

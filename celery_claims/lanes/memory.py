@@ -13,7 +13,6 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Generic
 
-from celery_claims.errors import InvalidValueError
 from celery_claims.lanes import _validate as check
 from celery_claims.lanes.dispatch import Clock, available_capacity, utc_now
 from celery_claims.lanes.model import (
@@ -78,8 +77,7 @@ class MemoryTaskClaimStore(Generic[Kind, Lane]):
         check.task_id(task_id)
         self._lanes.lane_for_kind(kind)
         due = check.utc("next_run_at", self._clock() if next_run_at is None else next_run_at)
-        if not isinstance(payload, str):
-            raise InvalidValueError(f"payload must be a str, got {type(payload).__name__}")
+        check.text("payload", payload)
         task = TaskRecord(task_id, kind, TaskStatus.PENDING, 0, due, payload=payload)
         with self._lock:
             if task_id in self._tasks:

@@ -211,8 +211,7 @@ class RedisTaskClaimStore:
         check.task_id(task_id)
         lane = self._lanes.lane_for_kind(kind)
         due = check.utc("next_run_at", self._clock() if next_run_at is None else next_run_at)
-        if not isinstance(payload, str):
-            raise InvalidValueError(f"payload must be a str, got {type(payload).__name__}")
+        check.text("payload", payload)
         record = TaskRecord(task_id, kind, TaskStatus.PENDING, 0, due, payload=payload)
         keys = self.lane_keys(lane.lane_key)
         entry = json.dumps([lane.lane_key, kind])

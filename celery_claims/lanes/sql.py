@@ -277,8 +277,7 @@ class SqlTaskClaimStore:
         check.task_id(task_id)
         self._lanes.lane_for_kind(kind)
         due = check.utc("next_run_at", self._clock() if next_run_at is None else next_run_at)
-        if not isinstance(payload, str):
-            raise InvalidValueError(f"payload must be a str, got {type(payload).__name__}")
+        check.text("payload", payload)
         record = TaskRecord(task_id, kind, TaskStatus.PENDING, 0, due, payload=payload)
         try:
             with self.engine.begin() as conn:

@@ -106,6 +106,12 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
     ("enqueue of a bytes payload",
      lambda s: s.enqueue(9, "send_email", next_run_at=T0, payload=b"x"), InvalidValueError,
      "payload"),
+    ("enqueue of a payload with NUL",
+     lambda s: s.enqueue(9, "send_email", next_run_at=T0, payload="a\x00b"), InvalidValueError,
+     "NUL"),
+    ("enqueue of a payload with a lone surrogate",
+     lambda s: s.enqueue(9, "send_email", next_run_at=T0, payload="\ud800"), InvalidValueError,
+     "UTF-8"),
     # complete, retry, heartbeat
     ("complete of an unknown id", lambda s: s.complete(404, 1), InvalidValueError, "unknown"),
     ("complete with a string token", lambda s: s.complete(2, "1"), InvalidValueError, "int"),
