@@ -70,6 +70,7 @@ def test_script_cache_flush_is_survived(plain_redis: redis.Redis, key_prefix: st
     assert [c.task_id for c in claimed] == [1]
 
 
+@pytest.mark.cluster
 def test_every_key_of_a_lane_is_in_one_cluster_slot(redis_cluster: RedisClusterNodes) -> None:
     # Given lanes and kinds whose names hold braces and colons
     odd = TaskLaneConfig(lane="a{b}:c", kinds=("k{1}", "k:2"), limit=2)
