@@ -1,0 +1,130 @@
+"""``check_settings``: each unsafe combination gives one finding that says the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from celery_claims import InvalidArgument
+from celery_claims.safety import Finding, Severity, check_settings
+from celery_claims.worker import settings as worker_settings
+
+#: A configuration with nothing unsafe: the baseline each test changes one thing of.
+SAFE: dict[str, Any] = {
+    "broker_url": "redis://localhost:6379/0",
+    "broker_transport_options": {"visibility_timeout": 180},
+    "task_acks_late": True,
+    "task_time_limit": 600,
+    "task_soft_time_limit": 540,
+    "worker_prefetch_multiplier": 1,
+    "claims_lease_ms": 60_000,
+    "claims_renew_interval_ms": 15_000,
+}
+
+
+def findings(**changes: Any) -> list[Finding]:
+    conf = {**SAFE, **changes}
+    return check_settings({k: v for k, v in conf.items() if v is not None})
+
+
+def test_the_safe_baseline_has_no_finding() -> None:
+    assert findings() == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "key", "severity", "fix"),
+    [
+        ({"task_acks_late": False}, "task_acks_late", Severity.ERROR, "Set task_acks_late = True"),
+        (
+            {"broker_transport_options": None},
+            "broker_transport_options.visibility_timeout",
+            Severity.WARNING,
+            "Set broker_transport_options['visibility_timeout'] to 2-5x the lease (e.g. 180)",
+        ),
+        (
+            {"claims_renew_interval_ms": 100_000, "claims_lease_ms": 300_000},
+            "claims_renew_interval_ms",
+            Severity.WARNING,
+            "Set claims_renew_interval_ms below 90000 ms",
+        ),
+        (
+            {"claims_refresh_unacked": False},
+            "claims_refresh_unacked",
+            Severity.WARNING,
+            "Leave claims_refresh_unacked = True",
+        ),
+        ({"task_time_limit": None, "task_soft_time_limit": None}, "task_time_limit",
+         Severity.WARNING, "Set task_time_limit"),
+        ({"task_soft_time_limit": 600}, "task_soft_time_limit", Severity.WARNING,
+         "Set the soft limit below the hard one"),
+        ({"worker_prefetch_multiplier": None}, "worker_prefetch_multiplier", Severity.WARNING,
+         "Set worker_prefetch_multiplier = 1"),
+        ({"worker_prefetch_multiplier": 0}, "worker_prefetch_multiplier", Severity.WARNING,
+         "unlimited (0)"),
+        (
+            {"worker_cancel_long_running_tasks_on_connection_loss": True},
+            "worker_cancel_long_running_tasks_on_connection_loss",
+            Severity.WARNING,
+            "Set it to False",
+        ),
+    ],
+)  # fmt: skip
+def test_each_unsafe_setting_gives_exactly_one_finding_with_its_fix(
+    changes: dict[str, Any], key: str, severity: Severity, fix: str
+) -> None:
+    [finding] = findings(**changes)
+
+    assert finding.key == key
+    assert finding.severity == severity
+    assert fix in finding.message
+    assert finding.as_dict() == {"key": key, "severity": severity.value, "message": finding.message}
+
+
+def test_visibility_checks_apply_to_the_redis_broker_only() -> None:
+    amqp = findings(broker_url="amqp://guest@localhost//", broker_transport_options=None,
+                    claims_refresh_unacked=False)  # fmt: skip
+
+    assert amqp == []
+
+
+def test_errors_come_before_warnings() -> None:
+    result = findings(task_acks_late=False, task_time_limit=None, task_soft_time_limit=None)
+
+    assert [f.severity for f in result] == [Severity.ERROR, Severity.WARNING]
+
+
+def test_a_celery_app_conf_is_accepted_as_is() -> None:
+    from celery import Celery
+
+    app = Celery("check", broker="redis://localhost:6379/0", set_as_current=False)
+    app.conf.update(SAFE)
+
+    assert check_settings(app.conf) == []
+    app.close()
+
+
+@pytest.mark.parametrize(
+    ("conf", "name"),
+    [
+        (None, "conf"),
+        ({"claims_lease_ms": "60s"}, "claims_lease_ms"),
+        ({"task_time_limit": True}, "task_time_limit"),
+        ({"broker_url": "redis://x", "broker_transport_options": ["x"]},
+         "broker_transport_options"),
+        ({"broker_url": "redis://x", "broker_transport_options": {"visibility_timeout": "1h"}},
+         "broker_transport_options"),
+    ],
+)  # fmt: skip
+def test_a_malformed_configuration_raises_invalid_argument(conf: Any, name: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        check_settings(conf)
+
+    assert caught.value.name == name
+
+
+def test_the_defaults_assumed_for_unset_claim_settings_are_the_integrations() -> None:
+    from celery_claims import safety
+
+    assert safety._DEFAULT_LEASE_MS == worker_settings.DEFAULT_LEASE_MS
+    assert safety._DEFAULT_RENEW_INTERVAL_MS == worker_settings.DEFAULT_RENEW_INTERVAL_MS
