@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta, timezone
 from importlib import resources
@@ -42,6 +43,9 @@ __all__ = ["DEFAULT_PREFIX", "RedisTaskClaimStore"]
 
 #: The default first part of every key the store writes.
 DEFAULT_PREFIX = "claims"
+
+#: How many task ids a store remembers the lane and kind of (saving the id index lookup).
+LOCATION_CACHE_SIZE = 65_536
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _MICROSECOND = timedelta(microseconds=1)
@@ -164,6 +168,10 @@ class RedisTaskClaimStore:
             client = redis.Redis.from_url(url)
         self.client: RedisClient = client
         self._index = task_index_key(self.prefix)
+        # A task's lane and kind never change once its id is indexed, so they can be cached:
+        # complete/retry/heartbeat of a task this process enqueued or claimed is one round trip.
+        self._locations: dict[int, tuple[str, str]] = {}
+        self._locations_lock = threading.Lock()
         self._enqueue = _load_script(client, "lane_enqueue")
         self._list = _load_script(client, "lane_list")
         self._claim = _load_script(client, "lane_claim")
@@ -183,13 +191,24 @@ class RedisTaskClaimStore:
     def _keys_of_kind(self, kind: str) -> LaneKeys:
         return self.lane_keys(self._lanes.lane_for_kind(kind).lane_key)
 
+    def _remember(self, task_id: int, lane_key: str, kind: str) -> None:
+        with self._locations_lock:
+            if len(self._locations) >= LOCATION_CACHE_SIZE:
+                # Forget the oldest entry (dicts keep insertion order).
+                del self._locations[next(iter(self._locations))]
+            self._locations[task_id] = (lane_key, kind)
+
     def _locate(self, task_id: int) -> tuple[LaneKeys, str] | None:
         """The lane keys and kind of a task, from the id index; ``None`` for an unknown id."""
-        with _driver_errors("task lookup"):
-            raw = self.client.hget(self._index, str(task_id))
-        if raw is None:
-            return None
-        lane_key, kind = _index_entry(raw)
+        known = self._locations.get(task_id)
+        if known is None:
+            with _driver_errors("task lookup"):
+                raw = self.client.hget(self._index, str(task_id))
+            if raw is None:
+                return None
+            known = _index_entry(raw)
+            self._remember(task_id, *known)
+        lane_key, kind = known
         return self.lane_keys(lane_key), kind
 
     # --- producer and worker operations ---------------------------------------------------
@@ -226,6 +245,7 @@ class RedisTaskClaimStore:
                 args=[member(task_id), encode_record(record), to_us(due)],
             )
         raise_for_status(_status(reply), task_id=task_id)
+        self._remember(task_id, lane.lane_key, kind)
         return record
 
     def get_task(self, task_id: int) -> TaskRecord[str] | None:
@@ -389,8 +409,14 @@ class RedisTaskClaimStore:
         if status == StoreStatus.NOT_FOUND and len(reply) > 1:
             failed = checked[int(reply[1]) - 1].task_id
         raise_for_status(status, task_id=failed, lane=lane.lane)
-        claimed = [checked[int(position) - 1] for position in reply[1:]]
-        return [ClaimedTask(c.index, c.task_id, c.next_processing_token) for c in claimed]
+        result: list[ClaimedTask] = []
+        for i in range(1, len(reply), 2):
+            candidate = checked[int(reply[i]) - 1]
+            self._remember(candidate.task_id, lane.lane_key, lane.kinds[int(reply[i + 1]) - 1])
+            result.append(
+                ClaimedTask(candidate.index, candidate.task_id, candidate.next_processing_token)
+            )
+        return result
 
 
 def _index_entry(raw: object) -> tuple[str, str]:

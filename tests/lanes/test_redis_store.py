@@ -57,6 +57,35 @@ def test_claiming_a_batch_is_one_round_trip_of_one_command(redis_server: RedisSe
     observer.close()
 
 
+def test_worker_that_claimed_a_task_settles_it_in_one_round_trip(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    # Given a task enqueued by a producer and claimed by a worker (two stores, two processes)
+    producer = RedisTaskClaimStore(client=redis_server.client(), lanes=LANES, prefix=key_prefix)
+    producer.enqueue(1, "send_email", next_run_at=T0)
+    client = redis_server.client()
+    worker = RedisTaskClaimStore(client=client, lanes=LANES, prefix=key_prefix)
+    worker.claim_candidates_for_lane(MAIL, [TaskClaimCandidate(0, 1, 0, 1)], T0, T0, LEASE)
+    worker.heartbeat(1, 1, lease_expires_at=LEASE)  # loads the script outside the count
+    observer = redis_server.client()
+    before = command_calls(observer)
+
+    # When the worker renews and completes it
+    worker.heartbeat(1, 1, lease_expires_at=LEASE + timedelta(seconds=1))
+    worker.complete(1, 1)
+
+    # Then each was one EVALSHA: the claim told the worker the task's kind
+    after = command_calls(observer)
+    sent = {
+        name: after[name] - before.get(name, 0)
+        for name in after
+        if name not in SCRIPT_INTERNAL | {"info"} and after[name] != before.get(name, 0)
+    }
+    assert sent == {"evalsha": 2}
+    for c in (client, observer, producer.client):
+        c.close()
+
+
 def test_script_cache_flush_is_survived(plain_redis: redis.Redis, key_prefix: str) -> None:
     # Given a store whose scripts are loaded, then a SCRIPT FLUSH
     store = RedisTaskClaimStore(client=plain_redis, lanes=LANES, prefix=key_prefix)

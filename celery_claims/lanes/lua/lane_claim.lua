@@ -8,7 +8,8 @@
 -- ARGV[4] = n, the number of lane kinds
 -- ARGV[5..4+n] = the lane kinds, in the order of their keys
 -- ARGV[5+n..]  = per candidate: member, expected token, next token
--- returns: {0, position, ...}  OK and the 1-based positions of the claimed candidates
+-- returns: {0, position, kind number, ...}  OK, then per claimed candidate its 1-based
+--          position and the 1-based number of its kind in ARGV[5..4+n], in claim order
 --          {2, position}       NOT_FOUND: that candidate is no task of the lane; nothing changed
 local OK, NOT_FOUND = 0, 2
 local claimed_at, lease = ARGV[1], ARGV[2]
@@ -77,6 +78,7 @@ for c = 1, count do
     redis.call('ZADD', KEYS[1 + n + k], lease, member)
     taken = taken + 1
     out[#out + 1] = c
+    out[#out + 1] = k
   end
 end
 return out
