@@ -164,8 +164,12 @@ class RedisTaskClaimStore:
         self._clock = clock
         self._owns_client = client is None
         if client is None:
-            assert url is not None
-            client = redis.Redis.from_url(url)
+            if not isinstance(url, str):
+                raise InvalidValueError(f"url must be a str, got {url!r}")
+            try:
+                client = redis.Redis.from_url(url)
+            except ValueError as exc:
+                raise InvalidValueError(f"not a Redis URL: {url!r}: {exc}") from exc
         self.client: RedisClient = client
         self._index = task_index_key(self.prefix)
         # A task's lane and kind never change once its id is indexed, so they can be cached:

@@ -115,9 +115,10 @@ class SqlTaskClaimStore:
         self._clock = clock
         self._owns_engine = engine is None
         if engine is None:
-            assert url is not None
-            with _driver_errors("create engine"):
-                engine = sa.create_engine(url)
+            try:
+                engine = sa.create_engine(url)  # type: ignore[arg-type]  # checked just below
+            except (sa.exc.ArgumentError, TypeError, ValueError) as exc:
+                raise InvalidValueError(f"not a usable SQLAlchemy URL: {url!r}: {exc}") from exc
         self.engine: Engine = engine
         self.metadata = sa.MetaData(schema=schema)
         self.tasks = sa.Table(

@@ -215,8 +215,14 @@ def test_redis_and_sql_stores_need_string_kinds_and_exactly_one_connection() -> 
         RedisTaskClaimStore(lanes=LANES)
     with pytest.raises(InvalidValueError, match="braces"):
         RedisTaskClaimStore(url="redis://127.0.0.1:1", lanes=LANES, prefix="a{b}")
+    with pytest.raises(InvalidValueError, match="Redis URL"):
+        RedisTaskClaimStore(url="http://example.invalid", lanes=LANES)
     with pytest.raises(InvalidValueError, match="exactly one"):
         SqlTaskClaimStore(lanes=LANES)
+    with pytest.raises(InvalidValueError, match="SQLAlchemy URL"):
+        SqlTaskClaimStore(url="not a url", lanes=LANES)
+    with pytest.raises(InvalidValueError, match="SQLAlchemy URL"):
+        SqlTaskClaimStore(url="nosuchdialect://x", lanes=LANES)
     with pytest.raises(InvalidValueError, match="identifier"):
         SqlTaskClaimStore(url="sqlite://", lanes=LANES, table_prefix="x; drop")
     with pytest.raises(InvalidValueError, match="kind"):
