@@ -14,6 +14,7 @@ exactly while a long task needs its lease renewed. Each beat it:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
@@ -316,11 +317,17 @@ class ClaimsRuntime:
             self._stop_at = time.monotonic() + STOP_GRACE_S
         self._wake.set()
 
+    def close(self) -> None:
+        """Close the claim store connections (a later call would simply reconnect)."""
+        with contextlib.suppress(Exception):
+            self.manager.client.close()
+
     def _run(self) -> None:
         interval_s = self.settings.renew_interval_ms / 1000
         while True:
             stop_at = self._stop_at
             if stop_at is not None and (not self.live_claims() or time.monotonic() > stop_at):
+                self.close()
                 return
             try:
                 self.beat()

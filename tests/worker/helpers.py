@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -43,6 +45,17 @@ def wait_for(
         time.sleep(interval)
 
 
+def wait_done(claims: Any, queue: str, task_key: str, timeout: float = 10) -> Any:
+    """The completion record of ``task_key``, waiting for it.
+
+    A result is stored by the task's trace before the worker records completion, so a test
+    that has the result may look a moment too early.
+    """
+    return wait_for(
+        lambda: claims.done_record(queue, task_key), timeout=timeout, what=f"done {task_key}"
+    )
+
+
 def unique(prefix: str) -> str:
     """A name no other test uses."""
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
@@ -68,6 +81,8 @@ def make_app(
         worker_hijack_root_logger=False,
         # redis-py 8 deprecates SETEX, which Celery's result backend uses for expiring results
         result_expires=None,
+        # one backend for the test thread and the worker thread, so close_app closes both
+        result_backend_thread_safe=True,
         claims_prefix=claims_prefix,
         claims_lease_ms=LEASE_MS,
         claims_renew_interval_ms=RENEW_INTERVAL_MS,
@@ -95,3 +110,23 @@ def in_process_worker(app: Celery, **kwargs: Any) -> Iterator[Any]:
     options.update(kwargs)
     with start_worker(app, **options) as worker:
         yield worker
+
+
+def close_app(app: Celery) -> None:
+    """Close what an app opened in this thread (the result pub/sub and backend connections).
+
+    Celery leaves these to the garbage collector; under ``filterwarnings = error`` an unclosed
+    socket found later would fail an unrelated test. The broker pool is left alone: kombu
+    shares producer pools between apps with the same broker URL.
+    """
+    gc.collect()  # run AsyncResult.__del__ (which unsubscribes) while the server is still up
+    backend = app.backend
+    consumer = getattr(backend, "result_consumer", None)
+    if consumer is not None:
+        with contextlib.suppress(Exception):
+            consumer.stop()
+    client = getattr(backend, "client", None)
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.connection_pool.disconnect()
+    app.close()

@@ -21,7 +21,14 @@ from typing import Any
 import redis
 from celery import Celery
 
-from tests.worker.helpers import FAST_REDELIVERY, HELD_RECHECK_MS, LEASE_MS, RENEW_INTERVAL_MS
+from celery_claims import RedisClaimManager
+from tests.worker.helpers import (
+    FAST_REDELIVERY,
+    HELD_RECHECK_MS,
+    LEASE_MS,
+    RENEW_INTERVAL_MS,
+    close_app,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +72,8 @@ class Fleet:
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="claims-fleet-"))
         self.procs: list[Proc] = []
+        self._apps: list[Celery] = []
+        self._clients: list[Any] = []
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> Proc:
         log = self.dir / f"{name}.log"
@@ -125,6 +134,24 @@ class Fleet:
         args = ["-A", "tests.worker.apps.beat_app", "beat", "-l", "INFO", "-s", str(schedule)]
         return self._spawn(name, args, env)
 
+    def client(self, broker: str, backend: str, queue: str) -> Celery:
+        """A producer app for this test (closed at cleanup)."""
+        app = client_app(broker, backend, queue)
+        self._apps.append(app)
+        return app
+
+    def claims(self, url: str) -> RedisClaimManager:
+        """A view of a claim store (closed at cleanup)."""
+        manager = RedisClaimManager(url=url)
+        self._clients.append(manager.client)
+        return manager
+
+    def redis(self, url: str) -> redis.Redis:
+        """A plain Redis client (closed at cleanup)."""
+        client = redis.Redis.from_url(url)
+        self._clients.append(client)
+        return client
+
     def logs(self) -> str:
         return "\n".join(f"===== {p.name}\n{p.output()[-4000:]}" for p in self.procs)
 
@@ -134,6 +161,11 @@ class Fleet:
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(timeout=10)
+        for app in self._apps:
+            close_app(app)
+        for client in self._clients:
+            with contextlib.suppress(Exception):
+                client.close()
 
 
 def client_app(broker: str, backend: str, queue: str) -> Celery:

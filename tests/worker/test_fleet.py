@@ -6,10 +6,9 @@ import time
 
 import pytest
 
-from celery_claims import RedisClaimManager
 from tests.servers import RedisServer
-from tests.worker.helpers import LEASE_MS, RENEW_INTERVAL_MS, unique, wait_for
-from tests.worker.processes import Fleet, client_app, executions
+from tests.worker.helpers import LEASE_MS, RENEW_INTERVAL_MS, unique, wait_done, wait_for
+from tests.worker.processes import Fleet, executions
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +30,7 @@ def test_a_long_task_redelivered_by_redis_runs_exactly_once_with_claims(
         fleet.worker(name, broker=url, backend=url, queue=queue, plugin=plugin)
     for proc in fleet.procs:
         proc.wait_ready()
-    client = client_app(url, url, queue)
+    client = fleet.client(url, url, queue)
 
     # When the 12 s task runs while Redis keeps finding its message unacked
     result = client.send_task("fleet.sleep", (12,), task_id="long-1")
@@ -43,7 +42,7 @@ def test_a_long_task_redelivered_by_redis_runs_exactly_once_with_claims(
     runs = starts(url, queue, "long-1")
     if plugin:
         assert len(runs) == 1, fleet.logs()
-        redis_client = private_redis.client()
+        redis_client = fleet.redis(private_redis.url)
         assert redis_client.llen(queue) == 0
         assert redis_client.hlen("unacked") == 0
     else:
@@ -58,7 +57,7 @@ def test_killing_the_holding_worker_hands_the_task_to_the_other_worker(
     for name in ("a", "b"):
         fleet.worker(name, broker=url, backend=url, queue=queue)
     workers = {p.name: p.wait_ready() for p in fleet.procs}
-    client = client_app(url, url, queue)
+    client = fleet.client(url, url, queue)
     result = client.send_task("fleet.sleep", (4,), task_id="crash-1")
     first = wait_for(lambda: starts(url, queue, "crash-1"), timeout=20, what="the first run")[0]
     holder = str(first["worker"]).split("@")[0]
@@ -74,8 +73,8 @@ def test_killing_the_holding_worker_hands_the_task_to_the_other_worker(
     runs = starts(url, queue, "crash-1")
     assert [str(r["worker"]).split("@")[0] for r in runs] == [holder, ({"a", "b"} - {holder}).pop()]
     assert result.state == "SUCCESS", took
-    claims = RedisClaimManager(url=url)
-    assert claims.done_record(queue, "crash-1:0:0") is not None
+    claims = fleet.claims(url)
+    wait_done(claims, queue, "crash-1:0:0")
     assert claims.queue_stats()[queue].takeovers == 1
 
 
@@ -85,8 +84,8 @@ def test_child_sigkill_hard_time_limit_and_revoke_release_the_claim_once_leaving
     # Given one prefork worker
     url, queue = private_redis.url, unique("q")
     worker = fleet.worker("a", broker=url, backend=url, queue=queue, concurrency=3).wait_ready()
-    client = client_app(url, url, queue)
-    claims = RedisClaimManager(url=url)
+    client = fleet.client(url, url, queue)
+    claims = fleet.claims(url)
 
     # When one task's child is SIGKILLed, one exceeds its hard time limit, and one is revoked
     # with terminate=True while it runs
@@ -105,7 +104,7 @@ def test_child_sigkill_hard_time_limit_and_revoke_release_the_claim_once_leaving
     assert stats.successes == 3
     wait_for(lambda: claims.queue_stats()[queue].acks == 3, timeout=5, what="three releases")
     assert claims.list_claims(queue) == []
-    assert private_redis.client().hlen(claims.keys(queue).claims) == 0
+    assert fleet.redis(private_redis.url).hlen(claims.keys(queue).claims) == 0
     for task_id in ("kill-1", "limit-1", "revoke-1"):
         assert claims.done_record(queue, f"{task_id}:0:0") is None
     log = worker.output()
@@ -120,8 +119,8 @@ def test_remaining_lease_never_drops_below_lease_minus_two_renew_intervals_on_pr
     # Given a prefork worker running a 10 s task
     url, queue = private_redis.url, unique("q")
     fleet.worker("a", broker=url, backend=url, queue=queue).wait_ready()
-    client = client_app(url, url, queue)
-    claims = RedisClaimManager(url=url)
+    client = fleet.client(url, url, queue)
+    claims = fleet.claims(url)
     result = client.send_task("fleet.sleep", (10,), task_id="renew-prefork")
     wait_for(lambda: claims.list_claims(queue), timeout=20, what="the claim")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from tests.servers import RedisServer
 from tests.worker.helpers import (
     LEASE_MS,
     RENEW_INTERVAL_MS,
+    close_app,
     in_process_worker,
     make_app,
     wait_for,
@@ -41,7 +43,8 @@ def sample_remaining_lease(
     return samples
 
 
-def _sleeper_app(redis_server: RedisServer, queue: str, key_prefix: str) -> Celery:
+@pytest.fixture
+def app(redis_server: RedisServer, queue: str, key_prefix: str) -> Iterator[Celery]:
     app = make_app(redis_server.url, queue=queue, claims_prefix=key_prefix)
 
     @app.task(shared=False, name="t.sleep")
@@ -51,20 +54,21 @@ def _sleeper_app(redis_server: RedisServer, queue: str, key_prefix: str) -> Cele
             time.sleep(0.05)
         return seconds
 
-    return app
+    try:
+        yield app
+    finally:
+        close_app(app)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pool", ["solo", "threads"])
 def test_remaining_lease_never_drops_below_lease_minus_two_renew_intervals(
     pool: str,
-    redis_server: RedisServer,
+    app: Celery,
     queue: str,
-    key_prefix: str,
     claims: RedisClaimManager,
 ) -> None:
     # Given a worker of the pool under test and a 10 s task
-    app = _sleeper_app(redis_server, queue, key_prefix)
     with in_process_worker(app, pool=pool, concurrency=2) as worker:
         result = app.tasks["t.sleep"].apply_async((10,), task_id=f"renew-{pool}")
         wait_for(lambda: claims.list_claims(queue), timeout=10, what="the claim")
@@ -92,10 +96,9 @@ def test_remaining_lease_never_drops_below_lease_minus_two_renew_intervals(
 
 
 def test_lost_lease_fences_the_request_so_its_success_is_not_recorded_as_done(
-    redis_server: RedisServer, queue: str, key_prefix: str, claims: RedisClaimManager
+    app: Celery, queue: str, claims: RedisClaimManager
 ) -> None:
     # Given a task running under a claim, and a receiver of lease_lost
-    app = _sleeper_app(redis_server, queue, key_prefix)
     lost: list[dict[str, Any]] = []
 
     def on_lost(sender: Any = None, **kwargs: Any) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,7 +13,14 @@ from celery import Celery
 from celery_claims import RedisClaimManager
 from celery_claims.worker import signals
 from tests.servers import RedisServer
-from tests.worker.helpers import in_process_worker, make_app, wait_for
+from tests.worker.helpers import (
+    LEASE_MS,
+    close_app,
+    in_process_worker,
+    make_app,
+    wait_done,
+    wait_for,
+)
 
 
 class Recorder:
@@ -36,7 +45,9 @@ def recorder() -> Recorder:
 
 
 @pytest.fixture
-def app(redis_server: RedisServer, queue: str, key_prefix: str, recorder: Recorder) -> Celery:
+def app(
+    redis_server: RedisServer, queue: str, key_prefix: str, recorder: Recorder
+) -> Iterator[Celery]:
     app = make_app(redis_server.url, queue=queue, claims_prefix=key_prefix)
 
     @app.task(shared=False, name="t.echo")
@@ -56,12 +67,23 @@ def app(redis_server: RedisServer, queue: str, key_prefix: str, recorder: Record
         recorder.add("replaced", self.request.id)
         return self.replace(echo.si("from-replacement"))
 
+    @app.task(shared=False, name="t.long_lease", claims_lease_ms=7000)
+    def long_lease() -> str:
+        return "ok"
+
+    @app.task(shared=False, name="t.limited", rate_limit="100/s")
+    def limited() -> str:
+        return "limited"
+
     @app.task(shared=False, name="t.unclaimed", claims=False)
     def unclaimed(value: Any) -> Any:
         recorder.add("unclaimed", value)
         return value
 
-    return app
+    try:
+        yield app
+    finally:
+        close_app(app)
 
 
 class Captured:
@@ -125,8 +147,8 @@ def test_retry_with_countdown_zero_runs_the_next_attempt_but_not_a_duplicate_of_
         # Then the retry (same task id, next attempt) runs and succeeds
         assert result.get(timeout=10) == "second"
         assert recorder.of("retry_once") == [0, 1]
-        assert claims.done_record(queue, "retry-1:0:0") is not None
-        assert claims.done_record(queue, "retry-1:1:0") is not None
+        wait_done(claims, queue, "retry-1:0:0")
+        wait_done(claims, queue, "retry-1:1:0")
 
         # And a late duplicate of the first attempt is not re-run
         retry_once.apply_async(task_id="retry-1")
@@ -150,7 +172,7 @@ def test_replace_runs_the_replacement_but_not_a_duplicate_of_the_replaced_attemp
         assert result.get(timeout=10) == "from-replacement"
         assert recorder.of("replaced") == ["replace-1"]
         assert recorder.of("echo") == ["from-replacement"]
-        assert claims.done_record(queue, "replace-1:0:1") is not None
+        wait_done(claims, queue, "replace-1:0:1")
 
         # And a late duplicate of the replaced attempt does not run again
         replaced.apply_async(task_id="replace-1")
@@ -224,4 +246,57 @@ def test_copy_held_by_a_dead_holder_is_taken_over_when_its_lease_expires(
         counters = worker.claims.counters.snapshot()
         assert counters["held"] == 1
         assert counters["took_over"] == 1
-        assert claims.done_record(queue, "orphan-1:0:0") is not None
+        wait_done(claims, queue, "orphan-1:0:0")
+
+
+def test_eta_rate_limited_and_per_task_lease_requests_all_pass_the_gate(
+    app: Celery, claims: RedisClaimManager, queue: str
+) -> None:
+    # Given a countdown request, a rate-limited task and a task with its own lease
+    acquired: dict[str, Any] = {}
+
+    def on_acquired(sender: Any = None, **kwargs: Any) -> None:
+        acquired[kwargs["request"].id] = kwargs["token"]
+
+    signals.claim_acquired.connect(on_acquired, weak=False)
+    try:
+        with in_process_worker(app) as worker:
+            # When they run
+            eta = app.tasks["t.echo"].apply_async(("eta",), countdown=0.5, task_id="eta-1")
+            limited = app.tasks["t.limited"].apply_async(task_id="limited-1")
+            long_lease = app.tasks["t.long_lease"].apply_async(task_id="lease-1")
+            assert eta.get(timeout=10) == "eta"
+            assert limited.get(timeout=10) == "limited"
+            assert long_lease.get(timeout=10) == "ok"
+
+            # Then each was claimed by the gate and recorded done
+            for task_id in ("eta-1", "limited-1", "lease-1"):
+                wait_done(claims, queue, f"{task_id}:0:0")
+            assert worker.claims.counters.get("acquired") == 3
+    finally:
+        signals.claim_acquired.disconnect(on_acquired)
+
+    # And the task with its own lease was claimed for that lease, the others for the default
+    lease = acquired["lease-1"]
+    assert lease.expires_at - lease.created_at == 7000
+    default = acquired["eta-1"]
+    assert default.expires_at - default.created_at == LEASE_MS
+
+
+def test_cleanup_task_removes_expired_claims_up_to_its_limit(
+    app: Celery, claims: RedisClaimManager, queue: str
+) -> None:
+    # Given three claims whose leases have expired and one live claim
+    for n in range(3):
+        claims.claim(queue, f"stale-{n}", "gone/1/x", 1)
+    claims.claim(queue, "live", "here/1/x", 60_000)
+    time.sleep(0.01)
+    cleanup = app.tasks["celery_claims.cleanup_expired"]
+    with in_process_worker(app):
+        # When the cleanup task runs with a limit of 2, then again without one
+        first = cleanup.apply_async((2,)).get(timeout=10)
+        second = cleanup.apply_async().get(timeout=10)
+
+    # Then it removed two, then the last one, and left the live claim alone
+    assert (first, second) == (2, 1)
+    assert [t.task_id for t in claims.list_claims(queue)] == ["live"]

@@ -9,10 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_claims import RedisClaimManager
 from tests.servers import RedisServer, missing_service
-from tests.worker.helpers import LEASE_MS, unique, wait_for
-from tests.worker.processes import Fleet, client_app, executions
+from tests.worker.helpers import LEASE_MS, unique, wait_done, wait_for
+from tests.worker.processes import Fleet, executions
 
 pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq]
 
@@ -50,7 +49,7 @@ def test_killing_the_holding_worker_hands_the_task_to_the_other_worker_on_rabbit
             extra=("--claims-redis-url", store),
         )
     workers = {p.name: p.wait_ready() for p in fleet.procs}
-    client = client_app(RABBITMQ_URL, store, queue)
+    client = fleet.client(RABBITMQ_URL, store, queue)
     result = client.send_task("fleet.sleep", (4,), task_id="rabbit-1")
 
     def starts() -> list[dict[str, object]]:
@@ -68,8 +67,8 @@ def test_killing_the_holding_worker_hands_the_task_to_the_other_worker_on_rabbit
     assert result.get(timeout=LEASE_MS / 1000 + 4 + 10) == 4
     runs = [str(r["worker"]).split("@")[0] for r in starts()]
     assert runs == [holder, ({"a", "b"} - {holder}).pop()], time.monotonic() - killed_at
-    claims = RedisClaimManager(url=store)
-    assert claims.done_record(queue, "rabbit-1:0:0") is not None
+    claims = fleet.claims(store)
+    wait_done(claims, queue, "rabbit-1:0:0")
     assert claims.queue_stats()[queue].takeovers == 1
     survivor = workers[runs[1]].output()
     assert "is held by" in survivor, fleet.logs()
