@@ -34,7 +34,14 @@ from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import ClaimError, InvalidArgument
 from celery_claims.observe import Journal
 
-__all__ = ["DemoError", "DemoReport", "SideResult", "find_redis_server", "run_demo"]
+__all__ = [
+    "DemoError",
+    "DemoReport",
+    "SideResult",
+    "find_redis_server",
+    "private_redis",
+    "run_demo",
+]
 
 #: Seconds a worker gets to print "ready".
 READY_TIMEOUT_S = 45.0
@@ -118,6 +125,24 @@ def _private_redis(workdir: Path) -> Iterator[tuple[str, str, str]]:
         yield url, binary, origin
     finally:
         _kill_group(proc)
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[str]:
+    """A throw-away redis-server on a free port, for examples and demos; yields its URL.
+
+    Never touches a Redis you run: the server gets its own port and temporary directory,
+    both gone when the context exits.
+
+    Raises:
+        DemoError: no redis-server is available (see :func:`find_redis_server`).
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="claims-redis-"))
+    try:
+        with _private_redis(workdir) as (url, _binary, _origin):
+            yield url
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
