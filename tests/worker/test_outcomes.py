@@ -300,3 +300,33 @@ def test_cleanup_task_removes_expired_claims_up_to_its_limit(
     # Then it removed two, then the last one, and left the live claim alone
     assert (first, second) == (2, 1)
     assert [t.task_id for t in claims.list_claims(queue)] == ["live"]
+
+
+@pytest.mark.slow
+def test_gate_keeps_claiming_after_the_broker_connection_restarts(
+    private_redis: RedisServer, queue: str, key_prefix: str
+) -> None:
+    # Given a worker whose broker (and claim store) is a private Redis
+    app = make_app(private_redis.url, queue=queue, claims_prefix=key_prefix)
+    claims = RedisClaimManager(url=private_redis.url, prefix=key_prefix)
+
+    @app.task(shared=False, name="t.echo")
+    def echo(value: Any) -> Any:
+        return value
+
+    try:
+        with in_process_worker(app) as worker:
+            assert echo.apply_async(("before",), task_id="before").get(timeout=10) == "before"
+
+            # When the broker restarts under it and the consumer reconnects
+            private_redis.restart()
+            result = echo.apply_async(("after",), task_id="after")
+
+            # Then tasks still go through the gate
+            assert result.get(timeout=60) == "after"
+            assert worker.consumer.restart_count >= 1, "the consumer did not restart"
+            wait_done(claims, queue, "after:0:0")
+            assert worker.claims.counters.get("acquired") == 2
+    finally:
+        claims.client.close()
+        close_app(app)
