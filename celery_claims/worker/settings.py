@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import click
+
 from celery_claims.claims.keys import DEFAULT_PREFIX, require_prefix
 from celery_claims.errors import InvalidArgument
 
@@ -132,8 +134,6 @@ def add_worker_options(app: Any) -> None:
 
     Idempotent: an option whose name is already registered is not added again.
     """
-    import click
-
     existing = {getattr(opt, "name", None) for opt in app.user_options["worker"]}
     for name, type_, help_text in _WORKER_OPTIONS:
         if name in existing:

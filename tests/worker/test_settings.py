@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -12,6 +15,7 @@ from celery_claims.worker import install, load_settings
 from celery_claims.worker.settings import DEFAULT_LEASE_MS
 from tests.servers import RedisServer
 from tests.worker.helpers import in_process_worker, make_app, unique
+from tests.worker.processes import ROOT
 
 
 def _app(broker: str = "redis://127.0.0.1:1/3", **conf: Any) -> Celery:
@@ -128,3 +132,30 @@ def test_worker_refuses_to_start_with_an_invalid_per_task_lease(
         in_process_worker(app),
     ):
         pass
+
+
+@pytest.mark.slow
+def test_celery_worker_command_refuses_an_invalid_option_and_names_the_key() -> None:
+    # Given the real `celery worker` command with a lease shorter than two renew intervals
+    env = {
+        **os.environ,
+        "CLAIMS_TEST_BROKER": "redis://127.0.0.1:1/0",
+        "CLAIMS_TEST_BACKEND": "redis://127.0.0.1:1/0",
+        "CLAIMS_TEST_QUEUE": unique("q"),
+    }
+    args = ["-A", "tests.worker.apps.fleet", "worker", "-P", "solo", "--claims-lease-ms", "100"]
+
+    # When it starts
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+    # Then it exits with an error naming the setting, before touching the broker
+    assert done.returncode != 0
+    assert "InvalidArgument: claims_renew_interval_ms" in done.stderr + done.stdout
