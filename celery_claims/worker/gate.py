@@ -101,7 +101,17 @@ class ClaimGate:
         """The wrapped ``on_task_request``."""
         if is_exempt(request.task, request.name):
             return self.inner(request)
-        self._admit(request, owner=new_owner(self.runtime.hostname), held=None)
+        owner = new_owner(self.runtime.hostname)
+        try:
+            self._admit(request, owner=owner, held=None)
+        except Exception as exc:
+            if isinstance(getattr(request, "claim", None), ActiveClaim):
+                raise  # raised by the pool hand-off itself: Celery's own error handling applies
+            # a bug must neither run the task unclaimed nor drop it: hold it and try again;
+            # if even that fails the message stays unacked and the broker redelivers it
+            logger.exception("Claim gate failed on %s[%s]", request.name, request.id)
+            with contextlib.suppress(Exception):
+                self._hold(request, owner, None, "unavailable", request.id, None, exc)
         return None
 
     def _lease_ms(self, request: Any) -> int:

@@ -315,7 +315,13 @@ def test_gate_keeps_claiming_after_the_broker_connection_restarts(
     private_redis: RedisServer, queue: str, key_prefix: str
 ) -> None:
     # Given a worker whose broker (and claim store) is a private Redis
-    app = make_app(private_redis.url, queue=queue, claims_prefix=key_prefix)
+    app = make_app(
+        private_redis.url,
+        queue=queue,
+        claims_prefix=key_prefix,
+        # Celery 6's default; Celery 5.7 warns on connection loss without it
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+    )
     claims = RedisClaimManager(url=private_redis.url, prefix=key_prefix)
 
     @app.task(shared=False, name="t.echo")
