@@ -64,13 +64,18 @@ class RedisServer:
         self.dir = Path(tempfile.mkdtemp(prefix=f"claims-redis-{self.port}-"))
         self.extra_args = list(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
+        # every client handed out is closed at cleanup, so no socket is left for the garbage
+        # collector to complain about (a ResourceWarning is an error under filterwarnings)
+        self._clients: list[redis.Redis] = []
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self, **kwargs: object) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)  # type: ignore[arg-type]
+        client = redis.Redis(host="127.0.0.1", port=self.port, **kwargs)  # type: ignore[arg-type]
+        self._clients.append(client)
+        return client
 
     def start(self) -> RedisServer:
         assert self.binary is not None
@@ -119,6 +124,9 @@ class RedisServer:
         return self.start()
 
     def cleanup(self) -> None:
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
         self.stop(signal.SIGKILL)
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -141,6 +149,7 @@ class RedisClusterNodes:
                          "--cluster-config-file", "nodes.conf"])
             for _ in range(masters)
         ]  # fmt: skip
+        self._clients: list[redis.RedisCluster] = []
 
     @property
     def url(self) -> str:
@@ -174,10 +183,15 @@ class RedisClusterNodes:
             time.sleep(0.1)
 
     def client(self, **kwargs: object) -> redis.RedisCluster:
-        return redis.RedisCluster(  # type: ignore[abstract]
+        client = redis.RedisCluster(  # type: ignore[abstract]
             host="127.0.0.1", port=self.servers[0].port, **kwargs
         )
+        self._clients.append(client)
+        return client
 
     def cleanup(self) -> None:
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
         for server in self.servers:
             server.cleanup()

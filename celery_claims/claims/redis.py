@@ -85,7 +85,9 @@ _UNAVAILABLE: tuple[type[Exception], ...] = (
 @cache
 def _source(name: str) -> str:
     lua = resources.files("celery_claims.claims") / "lua"
-    return (lua / "_clock.lua").read_text("utf-8") + "\n" + (lua / f"{name}.lua").read_text("utf-8")
+    return (
+        (lua / "_common.lua").read_text("utf-8") + "\n" + (lua / f"{name}.lua").read_text("utf-8")
+    )
 
 
 @contextlib.contextmanager
@@ -136,6 +138,7 @@ class RedisClaimManager:
     ) -> None:
         if (url is None) == (client is None):
             raise InvalidArgument("url", "pass exactly one of url= and client=")
+        self._owns_client = client is None
         if client is None:
             if not isinstance(url, str) or not url:
                 raise InvalidArgument("url", f"must be a non-empty str, got {url!r:.80}")
@@ -163,6 +166,17 @@ class RedisClaimManager:
         self._scripts: dict[str, Script] = {
             name: client.register_script(_source(name)) for name in _SCRIPTS
         }
+
+    def close(self) -> None:
+        """Close the client if this manager created it from ``url=`` (a passed one is yours)."""
+        if self._owns_client:
+            self.client.close()
+
+    def __enter__(self) -> RedisClaimManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _now(self) -> str:
         return "" if self._clock is None else str(int(self._clock()))

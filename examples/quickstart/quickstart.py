@@ -55,8 +55,11 @@ def private_redis() -> Iterator[str]:
 
 
 def demo(url: str) -> None:
-    claims = RedisClaimManager(url=url, prefix="quickstart")
+    with RedisClaimManager(url=url, prefix="quickstart") as claims:
+        show(claims)
 
+
+def show(claims: RedisClaimManager) -> None:
     first = claims.claim("emails", "send-invoice-42", "worker-a/101/1", lease_ms=300)
     assert isinstance(first, Success)
     print(

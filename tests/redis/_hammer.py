@@ -17,8 +17,14 @@ Grant = tuple[str, int, str, str, int, int, bool]
 
 
 def hammer(url: str, prefix: str, owner: str, tasks: int, seconds: float, seed: int) -> list[Grant]:
+    with RedisClaimManager(url=url, prefix=prefix) as manager:
+        return _hammer(manager, owner, tasks, seconds, seed)
+
+
+def _hammer(
+    manager: RedisClaimManager, owner: str, tasks: int, seconds: float, seed: int
+) -> list[Grant]:
     rng = random.Random(seed)
-    manager = RedisClaimManager(url=url, prefix=prefix)
     grants: dict[tuple[str, int], list[object]] = {}
     held: dict[str, ClaimToken] = {}
     deadline = time.monotonic() + seconds

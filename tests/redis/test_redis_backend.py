@@ -19,7 +19,6 @@ from celery_claims import (
     InvalidArgument,
     RedisClaimManager,
     Success,
-    TookOver,
 )
 from celery_claims.claims.keys import QueueKeys, escape
 from tests.servers import RedisServer
@@ -101,10 +100,15 @@ def test_works_with_decoding_and_raw_clients(redis_server: RedisServer, decode: 
     client.close()
 
 
-def test_a_url_builds_its_own_client(redis_server: RedisServer) -> None:
-    manager = RedisClaimManager(url=redis_server.url, prefix="from-url")
+def test_a_url_builds_its_own_client_and_close_disconnects_it(
+    private_server: RedisServer,
+) -> None:
+    with RedisClaimManager(url=private_server.url, prefix="from-url") as manager:
+        assert isinstance(manager.claim(Q, "t1", "w", 1_000), Success)
 
-    assert isinstance(manager.claim(Q, "t1", "w", 1_000), Success)
+    with private_server.client() as observer:
+        # only the observer's own connection is left
+        assert len(observer.client_list()) == 1
 
 
 @pytest.mark.parametrize(
@@ -153,21 +157,21 @@ def private_server() -> Iterator[RedisServer]:
 def test_an_unreachable_server_raises_backend_unavailable_and_recovers(
     private_server: RedisServer,
 ) -> None:
-    manager = RedisClaimManager(url=private_server.url)
-    token = manager.claim(Q, "t1", "w", 60_000).token
-    assert token is not None
-    private_server.stop()
+    with RedisClaimManager(url=private_server.url) as manager:
+        token = manager.claim(Q, "t1", "w", 60_000).token
+        assert token is not None
+        private_server.stop()
 
-    with pytest.raises(BackendUnavailable, match="unavailable") as raised:
-        manager.claim(Q, "t2", "w", 60_000)
-    assert isinstance(raised.value.__cause__, redis.exceptions.ConnectionError)
-    with pytest.raises(BackendUnavailable):
-        manager.release(token)
-    with pytest.raises(BackendUnavailable):
-        manager.stats()
+        with pytest.raises(BackendUnavailable, match="unavailable") as raised:
+            manager.claim(Q, "t2", "w", 60_000)
+        assert isinstance(raised.value.__cause__, redis.exceptions.ConnectionError)
+        with pytest.raises(BackendUnavailable):
+            manager.release(token)
+        with pytest.raises(BackendUnavailable):
+            manager.stats()
 
-    private_server.start()  # no persistence: the restarted server is empty
-    assert isinstance(manager.claim(Q, "t2", "w", 60_000), Success)
+        private_server.start()  # no persistence: the restarted server is empty
+        assert isinstance(manager.claim(Q, "t2", "w", 60_000), Success)
 
 
 def test_claims_survive_a_crash_with_appendfsync_always() -> None:
@@ -212,12 +216,11 @@ def test_tokens_are_independent_of_the_client_that_issued_them(
     assert token is not None
     rebuilt = ClaimToken(**{f: getattr(token, f) for f in token.__dataclass_fields__})
 
-    other = RedisClaimManager(client=redis_server.client(decode_responses=True))
-    other.release(rebuilt)
+    with redis_server.client(decode_responses=True) as other_client:
+        RedisClaimManager(client=other_client).release(rebuilt)
 
     assert manager.is_claimed(Q, "t1") is None
-    assert isinstance(manager.claim(Q, "t1", "w2", 1), Success)
-    assert not isinstance(manager.claim(Q, "t1", "w3", 1), TookOver)
+    assert isinstance(manager.claim(Q, "t1", "w2", 60_000), Success)
 
 
 def test_wait_replicas_returns_once_a_replica_holds_the_claim() -> None:

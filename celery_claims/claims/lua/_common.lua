@@ -1,5 +1,6 @@
--- Shared preamble, prepended to every script that reads the time.
--- Returns the caller's time when it sent one (ARGV "now" not empty), else the server's clock:
+-- Shared preamble, prepended to every script.
+
+-- The caller's time when it sent one (ARGV "now" not empty), else the server's clock:
 -- one clock for every worker, whatever their own clocks say.
 local function now_ms(sent)
   if sent ~= '' then
@@ -15,7 +16,29 @@ end
 
 -- A claim entry is "instance:created_at:expires_at:owner"; the owner goes last, so it may
 -- contain ':' itself.
+local function format_entry(instance, created, expires, owner)
+  return instance .. ':' .. fmt(created) .. ':' .. fmt(expires) .. ':' .. owner
+end
+
 local function parse_entry(entry)
   local instance, created, expires, owner = string.match(entry, '^(%d+):(%d+):(%d+):(.*)$')
   return instance, tonumber(created), tonumber(expires), owner
+end
+
+-- The claim a token refers to, checked in the original's order: not found (4), then another
+-- instance (5: stale), then another owner (6). Returns status 1 and the entry's fields when
+-- the token holds the claim. Expiry is not checked (release and extend ignore it).
+local function check_token(claims_key, task, owner, instance)
+  local entry = redis.call('HGET', claims_key, task)
+  if not entry then
+    return 4
+  end
+  local e_instance, created, expires, e_owner = parse_entry(entry)
+  if e_instance ~= instance then
+    return 5
+  end
+  if e_owner ~= owner then
+    return 6
+  end
+  return 1, e_instance, created, expires
 end

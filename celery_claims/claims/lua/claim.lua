@@ -42,8 +42,7 @@ end
 
 local instance = redis.call('INCR', KEYS[3])
 local expires = now + tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], ARGV[1],
-  fmt(instance) .. ':' .. fmt(now) .. ':' .. fmt(expires) .. ':' .. ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], format_entry(fmt(instance), now, expires, ARGV[2]))
 redis.call('ZADD', KEYS[2], fmt(expires), ARGV[1])
 if previous ~= '' then
   redis.call('HINCRBY', KEYS[4], 'takeovers', 1)

@@ -6,19 +6,11 @@
 -- ARGV[3] = instance of the token
 -- ARGV[4] = additional ms
 -- returns: {1, instance, created_at, expires_at, owner} | {4} | {5} | {6}
-local entry = redis.call('HGET', KEYS[1], ARGV[1])
-if not entry then
-  return {4}
-end
-local instance, created, expires, owner = parse_entry(entry)
-if instance ~= ARGV[3] then
-  return {5}
-end
-if owner ~= ARGV[2] then
-  return {6}
+local status, instance, created, expires = check_token(KEYS[1], ARGV[1], ARGV[2], ARGV[3])
+if status ~= 1 then
+  return {status}
 end
 expires = expires + tonumber(ARGV[4])
-redis.call('HSET', KEYS[1], ARGV[1],
-  instance .. ':' .. fmt(created) .. ':' .. fmt(expires) .. ':' .. owner)
+redis.call('HSET', KEYS[1], ARGV[1], format_entry(instance, created, expires, ARGV[2]))
 redis.call('ZADD', KEYS[2], fmt(expires), ARGV[1])
-return {1, tonumber(instance), created, expires, owner}
+return {1, tonumber(instance), created, expires, ARGV[2]}

@@ -10,17 +10,9 @@
 -- ARGV[4] = completion record TTL in ms, or '' for a plain release
 -- ARGV[5] = now in epoch ms, or '' for the server clock
 -- returns: {1 released} | {4 NOT_FOUND} | {5 STALE} | {6 NOT_OWNER}
-local entry = redis.call('HGET', KEYS[1], ARGV[1])
-if not entry then
-  return {4}
-end
--- the instance is checked before the owner: the original reports a stale token first
-local instance, _, _, owner = parse_entry(entry)
-if instance ~= ARGV[3] then
-  return {5}
-end
-if owner ~= ARGV[2] then
-  return {6}
+local status, instance = check_token(KEYS[1], ARGV[1], ARGV[2], ARGV[3])
+if status ~= 1 then
+  return {status}
 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
@@ -31,8 +23,8 @@ if ARGV[4] ~= '' then
     local now = now_ms(ARGV[5])
     -- records expire like claims (judged by the same clock, purged by cleanup), not by a
     -- key TTL, which runs on the server's real time even when the caller sends its own clock
-    redis.call('HSET', KEYS[4], ARGV[1],
-      instance .. ':' .. fmt(now) .. ':' .. fmt(now + ttl) .. ':' .. owner)
+    -- a completion record has the shape of an entry: instance:done_at:until:owner
+    redis.call('HSET', KEYS[4], ARGV[1], format_entry(instance, now, now + ttl, ARGV[2]))
     redis.call('ZADD', KEYS[5], fmt(now + ttl), ARGV[1])
   end
 end

@@ -11,24 +11,14 @@ local target = now + tonumber(ARGV[1])
 local out = {}
 for i = 3, #ARGV, 3 do
   local task = ARGV[i]
-  local entry = redis.call('HGET', KEYS[1], task)
-  local status, created_at, expires_at = 1, 0, 0
-  if not entry then
-    status = 4
-  else
-    local instance, created, expires, owner = parse_entry(entry)
-    if instance ~= ARGV[i + 2] then
-      status = 5
-    elseif owner ~= ARGV[i + 1] then
-      status = 6
-    else
-      created_at = created
-      expires_at = math.max(expires, target)
-      if expires_at ~= expires then
-        redis.call('HSET', KEYS[1], task,
-          instance .. ':' .. fmt(created) .. ':' .. fmt(expires_at) .. ':' .. owner)
-        redis.call('ZADD', KEYS[2], fmt(expires_at), task)
-      end
+  local status, instance, created, expires = check_token(KEYS[1], task, ARGV[i + 1], ARGV[i + 2])
+  local created_at, expires_at = 0, 0
+  if status == 1 then
+    created_at = created
+    expires_at = math.max(expires, target)
+    if expires_at ~= expires then
+      redis.call('HSET', KEYS[1], task, format_entry(instance, created, expires_at, ARGV[i + 1]))
+      redis.call('ZADD', KEYS[2], fmt(expires_at), task)
     end
   end
   out[#out + 1] = status
