@@ -13,9 +13,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,23 +25,12 @@ from celery import Celery
 from celery_claims import RedisClaimManager
 from celery_claims.observe import Journal
 from tests.servers import RedisServer, free_port, redis_server
+from tests.worker.helpers import wait_for
 
 T = TypeVar("T")
 
 #: The queue the fleet's workers consume.
 QUEUE = "cli"
-
-
-def wait_for(check: Callable[[], T], *, timeout: float, what: str) -> T:
-    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def demo_env(url: str, ns: str, **extra: str) -> dict[str, str]:

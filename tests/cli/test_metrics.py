@@ -9,8 +9,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cli.conftest import QUEUE, LiveFleet, wait_for
+from tests.cli.conftest import QUEUE, LiveFleet
 from tests.servers import free_port
+from tests.worker.helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
