@@ -73,8 +73,10 @@ def _text(value: object) -> str:
 
 
 def _load_script(client: RedisClient, name: str) -> Script:
+    lua = resources.files("celery_claims.lanes").joinpath("lua")
+    # every script starts with the shared preamble: status codes and the ownership check
     source = (
-        resources.files("celery_claims.lanes").joinpath("lua").joinpath(f"{name}.lua").read_text()
+        lua.joinpath("_common.lua").read_text() + "\n" + lua.joinpath(f"{name}.lua").read_text()
     )
     return client.register_script(source)
 

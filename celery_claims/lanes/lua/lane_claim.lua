@@ -11,7 +11,6 @@
 -- returns: {0, position, kind number, ...}  OK, then per claimed candidate its 1-based
 --          position and the 1-based number of its kind in ARGV[5..4+n], in claim order
 --          {2, position}       NOT_FOUND: that candidate is no task of the lane; nothing changed
-local OK, NOT_FOUND = 0, 2
 local claimed_at, lease = ARGV[1], ARGV[2]
 local now = tonumber(claimed_at)
 local n = tonumber(ARGV[4])

@@ -4,16 +4,9 @@
 -- ARGV[1] = task member (zero-padded id)
 -- ARGV[2] = the attempt's processing token
 -- returns: {status}  0 OK | 1 ALREADY_DONE | 2 NOT_FOUND | 4 TOKEN_MISMATCH | 5 NOT_PROCESSING
-local OK, ALREADY_DONE, NOT_FOUND, TOKEN_MISMATCH, NOT_PROCESSING = 0, 1, 2, 4, 5
-
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then
-  return {NOT_FOUND}
-end
-local record = cjson.decode(raw)
--- The token is checked first: a later attempt's task is never this attempt's business.
-if record.token ~= ARGV[2] then
-  return {TOKEN_MISMATCH}
+local record, status = owned_record(KEYS[1], ARGV[1], ARGV[2])
+if not record then
+  return {status}
 end
 if record.status == 'done' then
   return {ALREADY_DONE}

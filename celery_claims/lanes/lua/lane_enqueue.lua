@@ -5,7 +5,6 @@
 -- ARGV[2] = task record, JSON with string values
 -- ARGV[3] = next_run_at, epoch microseconds
 -- returns: {status}  0 OK | 3 EXISTS
-local OK, EXISTS = 0, 3
 
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   return {EXISTS}

@@ -5,15 +5,9 @@
 -- ARGV[2] = the attempt's processing token
 -- ARGV[3] = new lease_expires_at, epoch microseconds
 -- returns: {status}  0 OK | 2 NOT_FOUND | 4 TOKEN_MISMATCH | 5 NOT_PROCESSING
-local OK, NOT_FOUND, TOKEN_MISMATCH, NOT_PROCESSING = 0, 2, 4, 5
-
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then
-  return {NOT_FOUND}
-end
-local record = cjson.decode(raw)
-if record.token ~= ARGV[2] then
-  return {TOKEN_MISMATCH}
+local record, status = owned_record(KEYS[1], ARGV[1], ARGV[2])
+if not record then
+  return {status}
 end
 if record.status ~= 'processing' then
   return {NOT_PROCESSING}
