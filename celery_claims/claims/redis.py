@@ -310,9 +310,10 @@ class RedisClaimManager:
             keys = QueueKeys(self.prefix, queue_id)
             while budget is None or removed < budget:
                 batch = CLEANUP_BATCH if budget is None else min(CLEANUP_BATCH, budget - removed)
-                count = int(self._run("cleanup", keys.cleanup_keys, [self._now(), batch]))
-                removed += count
-                if count < batch:
+                claims, records = self._run("cleanup", keys.cleanup_keys, [self._now(), batch])
+                removed += int(claims)
+                # a full batch of either kind means more may be waiting
+                if int(claims) < batch and int(records) < batch:
                     break
         return removed
 

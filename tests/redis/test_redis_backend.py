@@ -21,6 +21,8 @@ from celery_claims import (
     Success,
 )
 from celery_claims.claims.keys import QueueKeys, escape
+from celery_claims.claims.redis import CLEANUP_BATCH
+from celery_claims.testing import ManualClock
 from tests.servers import RedisServer
 
 Q = "emails"
@@ -258,3 +260,22 @@ def test_wait_replicas_returns_once_a_replica_holds_the_claim() -> None:
 def test_wait_replicas_is_validated(bad: object) -> None:
     with pytest.raises(InvalidArgument, match="wait_replicas"):
         RedisClaimManager(url="redis://127.0.0.1:1", wait_replicas=bad)  # type: ignore[arg-type]
+
+
+def test_one_cleanup_purges_more_expired_completion_records_than_one_batch(
+    redis_client: redis.Redis,
+) -> None:
+    clock = ManualClock()
+    manager = RedisClaimManager(client=redis_client, clock=clock)
+    records = CLEANUP_BATCH + 20
+    for i in range(records):
+        token = manager.claim(Q, f"t{i}", "w", 60_000).token
+        assert token is not None
+        manager.complete(token, 10)
+    assert redis_client.hlen(manager.keys(Q).done) == records
+    clock.advance(10)
+
+    assert manager.cleanup_expired() == 0  # no claim expired: records are not counted
+
+    assert redis_client.hlen(manager.keys(Q).done) == 0
+    assert redis_client.zcard(manager.keys(Q).done_expiries) == 0

@@ -7,7 +7,7 @@
 -- KEYS[5] = retention sorted set of records ({q}:x)
 -- ARGV[1] = now in epoch ms, or '' for the server clock
 -- ARGV[2] = the most entries of each kind to remove (a few thousand at most: unpack below)
--- returns: the number of claims removed
+-- returns: {claims removed, completion records removed}
 local now = fmt(now_ms(ARGV[1]))
 local limit = tonumber(ARGV[2])
 
@@ -18,10 +18,9 @@ if #records > 0 then
 end
 
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, limit)
-if #expired == 0 then
-  return 0
+if #expired > 0 then
+  redis.call('HDEL', KEYS[1], unpack(expired))
+  redis.call('ZREM', KEYS[2], unpack(expired))
+  redis.call('HINCRBY', KEYS[3], 'expirations', #expired)
 end
-redis.call('HDEL', KEYS[1], unpack(expired))
-redis.call('ZREM', KEYS[2], unpack(expired))
-redis.call('HINCRBY', KEYS[3], 'expirations', #expired)
-return #expired
+return {#expired, #records}
