@@ -37,6 +37,7 @@ __all__ = [
     "JournalEvent",
     "LaneOccupancy",
     "connect_journal",
+    "journal_connected",
     "find_claims",
     "journal_key",
     "lane_occupancy",
@@ -490,6 +491,10 @@ def _on_held(
     holder: str | None = None,
     **_: Any,
 ) -> None:
+    if reason == "lane":
+        # waiting for a lane slot is the normal queueing of a limited lane, not a skipped
+        # copy; journaling it would add a round trip to every message of a full lane
+        return
     _write(
         request,
         JournalEvent(_now_ms(), "held", reason, _hostname(request), claim_id, holder or ""),
@@ -497,7 +502,12 @@ def _on_held(
 
 
 def _on_acquired(
-    sender: Any = None, request: Any = None, token: Any = None, took_over: bool = False, **_: Any
+    sender: Any = None,
+    request: Any = None,
+    token: Any = None,
+    took_over: bool = False,
+    previous_owner: str | None = None,
+    **_: Any,
 ) -> None:
     if not took_over and not _options.record_acquired:
         return
@@ -510,7 +520,7 @@ def _on_acquired(
             "",
             _hostname(request),
             str(getattr(claim, "claim_id", "") or ""),
-            "",
+            previous_owner or "",
             int(getattr(token, "instance", 0) or 0),
         ),
     )
@@ -547,6 +557,12 @@ def attach_journal(app: Any, journal: Journal) -> None:
     if not isinstance(journal, Journal):
         raise InvalidArgument("journal", f"must be a Journal, got {type(journal).__name__}")
     setattr(app, _APP_ATTR, journal)
+
+
+def journal_connected() -> bool:
+    """True once :func:`connect_journal` has connected the receivers in this process."""
+    with _connect_lock:
+        return bool(_connected.get("journal"))
 
 
 def connect_journal(*, record_acquired: bool = False, ttl_ms: int = DEFAULT_JOURNAL_TTL_MS) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from celery_claims.errors import CodecError, InvalidValueError, IoError
+from celery_claims.errors import CodecError, InvalidValueError, IoError, TaskCoreError
 from celery_claims.lanes import _validate as check
 from celery_claims.lanes.dispatch import Clock, utc_now
 from celery_claims.lanes.keys import LaneKeys, check_prefix, member, task_index_key
@@ -313,6 +313,47 @@ class RedisTaskClaimStore:
                 args=[member(task_id), str(processing_token), to_us(lease)],
             )
         raise_for_status(_status(reply), task_id=task_id, processing_token=processing_token)
+
+    def heartbeat_many(
+        self, leases: Sequence[tuple[int, int]], *, lease_expires_at: datetime
+    ) -> list[TaskCoreError | None]:
+        """Renew many attempts' leases to ``lease_expires_at`` in one pipelined round trip.
+
+        Each ``(task_id, processing_token)`` gets what :meth:`heartbeat` would do to it; a
+        refused one yields its error (``LeaseLost``, ``InvalidValueError`` for an unknown id)
+        in the result instead of raising, so one lost lease does not hide the others.
+        (redis-py checks the script is loaded with one ``SCRIPT EXISTS`` per pipeline.)
+
+        Raises:
+            InvalidValueError: a malformed id, token or time (nothing is renewed).
+            IoError: Redis failed.
+        """
+        lease = check.utc("lease_expires_at", lease_expires_at)
+        checked = [(check.task_id(t), check.token(n)) for t, n in leases]
+        located = [self._locate(task_id) for task_id, _ in checked]
+        results: list[TaskCoreError | None] = [None] * len(checked)
+        calls: list[int] = []
+        with _driver_errors("heartbeat_many"):
+            pipe = self.client.pipeline(transaction=False)
+            for i, ((task_id, token), where) in enumerate(zip(checked, located, strict=True)):
+                if where is None:
+                    results[i] = InvalidValueError(f"unknown task id {task_id}")
+                    continue
+                keys, kind = where
+                self._heartbeat(
+                    keys=[keys.tasks, keys.processing(kind)],
+                    args=[member(task_id), str(token), to_us(lease)],
+                    client=pipe,
+                )
+                calls.append(i)
+            replies = pipe.execute() if calls else []
+        for i, reply in zip(calls, replies, strict=True):
+            task_id, token = checked[i]
+            try:
+                raise_for_status(_status(reply), task_id=task_id, processing_token=token)
+            except TaskCoreError as exc:
+                results[i] = exc
+        return results
 
     def count_unfinished(self, kinds: Sequence[str]) -> int:
         """How many tasks of ``kinds`` are pending, retry or processing."""

@@ -29,8 +29,10 @@ from celery.utils.log import get_logger
 from celery.worker.state import task_ready
 
 from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
+from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, Success, TookOver
 from celery_claims.worker import signals
+from celery_claims.worker.guard import REQUEST_KEY, StaleCopy
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
 from celery_claims.worker.keeper import ActiveClaim, ClaimsRuntime, Delivery, HeldCopy
 from celery_claims.worker.settings import ClaimsSettings
@@ -70,6 +72,10 @@ def check_task_policies(app: Any, settings: ClaimsSettings) -> None:
             settings.check_task_lease(name, lease)
 
 
+#: The request methods the gate wraps per request (instance attributes).
+_WRAPPED = ("on_success", "on_failure", "on_timeout", "execute_using_pool")
+
+
 def _unwrap(exc: BaseException | None) -> BaseException | None:
     # the prefork pool sends exceptions back wrapped for pickling
     inner = getattr(exc, "exc", None)
@@ -94,6 +100,10 @@ class ClaimGate:
         self.settings = runtime.settings
         self.queues = QueueResolver(consumer.app)
         self._leases: dict[str, int] = {}
+        self.lanes = runtime.lanes
+        if self.lanes is not None:
+            self.lanes.bind(consumer, self._dispatch)
+        runtime.on_waiting_lost = self._waiting_lost
 
     # --- entry point ------------------------------------------------------------------------
 
@@ -149,7 +159,7 @@ class ClaimGate:
 
         if isinstance(result, (Success, TookOver)):
             self._release_hold(held)
-            self._run(request, result, lease_ms, claim_id)
+            self._run(request, result, lease_ms, claim_id, queue_id)
         elif isinstance(result, AlreadyDone):
             self._release_hold(held)
             self._skip_done(request, result, claim_id)
@@ -160,7 +170,9 @@ class ClaimGate:
 
     # --- acquired ---------------------------------------------------------------------------
 
-    def _run(self, request: Any, result: Success | TookOver, lease_ms: int, claim_id: str) -> None:
+    def _run(
+        self, request: Any, result: Success | TookOver, lease_ms: int, claim_id: str, queue_id: str
+    ) -> None:
         runtime = self.runtime
         took_over = isinstance(result, TookOver)
         claim = ActiveClaim(
@@ -182,8 +194,22 @@ class ClaimGate:
         request.claim = claim
         self._wrap(request, claim)
         signals.claim_acquired.send(
-            sender=request.task, request=request, token=claim.token, took_over=took_over
+            sender=request.task,
+            request=request,
+            token=claim.token,
+            took_over=took_over,
+            previous_owner=result.previous_owner if isinstance(result, TookOver) else None,
         )
+        lane = self.lanes.lane_of(queue_id, request.name) if self.lanes is not None else None
+        if lane is None:
+            self._dispatch(request, claim)
+        else:
+            self.lanes.admit(lane, request, claim)  # type: ignore[union-attr]
+
+    def _dispatch(self, request: Any, claim: ActiveClaim) -> None:
+        # The request dict is what the pool hands to the tracer (pickled to a prefork child),
+        # which builds ``self.request`` from it: this is how task code sees its claim.
+        request.request_dict[REQUEST_KEY] = TaskClaim.of(claim.token, claim.lease_ms)
         self.inner(request)
 
     def _wrap(self, request: Any, claim: ActiveClaim) -> None:
@@ -203,7 +229,15 @@ class ClaimGate:
 
         def claims_on_failure(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
             exc = _unwrap(getattr(exc_info, "exception", None))
-            if isinstance(exc, _DONE_EXCEPTIONS):
+            if claim.fenced and not isinstance(exc, Ignore):
+                # A stale copy (stopped, or failed after another worker took it over):
+                # Celery's own handler would store FAILURE or REVOKED over the new owner's
+                # result. Only the message goes; the new owner's copy is the live one.
+                _guard(finish, claim, done=False, why=f"stale copy ended ({type(exc).__name__})")
+                return _drop_stale(request, claim, exc)
+            if isinstance(exc, StaleCopy):
+                _guard(finish, claim, done=True, why="stale copy ended")
+            elif isinstance(exc, _DONE_EXCEPTIONS):
                 _guard(finish, claim, done=True, why=type(exc).__name__.lower())
             elif isinstance(exc, Reject):
                 _guard(finish, claim, done=False, why="rejected")
@@ -214,6 +248,8 @@ class ClaimGate:
         def claims_on_timeout(soft: bool, timeout: Any) -> Any:
             if not soft:
                 _guard(finish, claim, done=False, why="hard time limit")
+                if claim.fenced:
+                    return None  # Celery would store a FAILURE over the new owner's result
             return on_timeout(soft, timeout)
 
         def claims_execute_using_pool(pool: Any, **kwargs: Any) -> Any:
@@ -337,6 +373,40 @@ class ClaimGate:
         if held is not None and self.runtime.unhold(held):
             held.qos.decrement_eventually()
 
+    # --- lease lost while waiting for a lane -----------------------------------------------
+
+    def _waiting_lost(self, claim: ActiveClaim) -> None:
+        """From the keeper: a message waiting for its lane lost its claim (any thread)."""
+        hub = getattr(self.consumer, "hub", None)
+        if hub is not None:
+            hub.call_soon(self._readmit, claim)
+        else:
+            self.consumer.timer.call_after(0, self._readmit, (claim,), priority=6)
+
+    def _readmit(self, claim: ActiveClaim) -> None:
+        # another worker owns the task now: this copy is a duplicate, and goes through the
+        # gate again as one (held until the owner finishes, or taken over if it dies)
+        if self.lanes is None:
+            return
+        waiter = self.lanes.forget(claim)
+        if waiter is None:
+            return
+        if waiter.held:
+            self.consumer.qos.decrement_eventually()
+        request = waiter.request
+        with claim.lock:
+            claim.finished = True  # nothing of the lost claim is recorded or released
+        for name in _WRAPPED:
+            # back to Celery's own callbacks; the next claim wraps them again
+            request.__dict__.pop(name, None)
+        request.request_dict.pop(REQUEST_KEY, None)
+        try:
+            self._admit(request, owner=new_owner(self.runtime.hostname), held=None)
+        except Exception as exc:
+            logger.exception("Claim gate failed on %s[%s]", request.name, request.id)
+            with contextlib.suppress(Exception):
+                self._hold(request, claim.token.owner, None, "unavailable", request.id, None, exc)
+
     # --- connection restarts and shutdown ---------------------------------------------------
 
     def drop_connection_state(self) -> None:
@@ -348,6 +418,9 @@ class ClaimGate:
         copies do not wait for a lease nobody will finish.
         """
         runtime = self.runtime
+        if self.lanes is not None:
+            # waiting messages never reached the pool: their claims are released below
+            self.lanes.drop_all()
         for held in runtime.held_copies():
             if runtime.unhold(held) and held.timer_entry is not None:
                 # stop must neither raise nor log (it may run while the worker shuts down)
@@ -358,6 +431,19 @@ class ClaimGate:
             if not claim.dispatched:
                 with contextlib.suppress(Exception):
                     runtime.finish(claim, done=False, why="connection closed before it ran")
+
+
+def _drop_stale(request: Any, claim: ActiveClaim, exc: BaseException | None) -> None:
+    logger.warning(
+        "Claim %s: stale copy of %s[%s] ended (%s); nothing stored, message acked",
+        claim.claim_id,
+        request.name,
+        request.id,
+        type(exc).__name__,
+    )
+    task_ready(request)
+    with contextlib.suppress(Exception):
+        request.acknowledge()
 
 
 def _guard(finish: Callable[..., None], claim: ActiveClaim, *, done: bool, why: str) -> None:

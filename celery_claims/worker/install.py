@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery_claims.observe import connect_journal, journal_connected
 from celery_claims.worker.gate import Gate
+from celery_claims.worker.guard import declare_request_key
 from celery_claims.worker.keeper import LeaseKeeper
 from celery_claims.worker.settings import add_worker_options
 from celery_claims.worker.tasks import connect_schedule, register_cleanup_task
@@ -20,8 +22,10 @@ def install(app: Any) -> Any:
 
     Adds the lease keeper (worker bootstep) and the claim gate (consumer bootstep), the
     ``--claims-*`` worker options, the ``celery_claims.cleanup_expired`` task and its beat
-    entry. Idempotent. Settings are read and validated when a worker starts, so ``install``
-    can run before the app is configured.
+    entry, and connects the journal of skipped copies
+    (:func:`celery_claims.observe.connect_journal`, which writes only for copies that are
+    skipped, held by another worker or taken over). Idempotent. Settings are read and
+    validated when a worker starts, so ``install`` can run before the app is configured.
 
     Args:
         app: the Celery app.
@@ -31,10 +35,14 @@ def install(app: Any) -> Any:
     """
     if getattr(app, _INSTALLED, False):
         return app
+    declare_request_key()
     app.steps["worker"].add(LeaseKeeper)
     app.steps["consumer"].add(Gate)
     add_worker_options(app)
     register_cleanup_task(app)
     connect_schedule(app)
+    if not journal_connected():
+        # keep options a user set with an earlier connect_journal(...) call
+        connect_journal()
     setattr(app, _INSTALLED, True)
     return app

@@ -15,9 +15,12 @@ exactly while a long task needs its lease renewed. Each beat it:
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +31,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_claims.claims.redis import RedisClaimManager
-from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
+from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError, InvalidArgument
+from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.model import ClaimToken
+from celery_claims.safety import check_settings
 from celery_claims.worker import signals
+from celery_claims.worker.guard import guard_tasks
+from celery_claims.worker.lanes import WorkerLanes
 from celery_claims.worker.settings import WORKER_OPTION_NAMES, ClaimsSettings, load_settings
 from celery_claims.worker.signals import Counters
 
@@ -101,6 +108,9 @@ class ActiveClaim:
         finished: completion or release has run (exactly once).
         dispatched: handed to the pool (``execute_using_pool`` was called).
         completing: success seen but ``complete`` is pending (the store was unreachable).
+        stopped: the lease was lost while the task ran and its pool process was terminated.
+        lane_waiter: while the message waits for a lane slot, its place in the lane.
+        lane_slot: the lane slot the running task holds, if its message is in a lane.
     """
 
     token: ClaimToken
@@ -112,6 +122,9 @@ class ActiveClaim:
     finished: bool = False
     dispatched: bool = False
     completing: bool = False
+    stopped: bool = False
+    lane_waiter: Any = None
+    lane_slot: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -168,6 +181,19 @@ class ClaimsRuntime:
         self.hostname = hostname
         self.manager = manager if manager is not None else new_manager(settings)
         self.counters = Counters()
+        #: the worker's lanes, when ``claims_lanes`` is configured
+        self.lanes: WorkerLanes | None = None
+        if settings.lanes:
+            store = RedisTaskClaimStore(
+                client=self.manager.client,
+                lanes=WorkerLanes.store_lanes(settings),
+                prefix=settings.prefix,
+            )
+            self.lanes = WorkerLanes(settings, store, self.counters)
+        #: the worker's pool (set at start), to terminate a stale copy whose lease was lost
+        self.pool: Any = None
+        #: hands a request whose claim was lost while it waited back to the gate (event loop)
+        self.on_waiting_lost: Any = None
         self._lock = threading.Lock()
         self._claims: dict[int, ActiveClaim] = {}
         self._held: dict[int, HeldCopy] = {}
@@ -225,6 +251,11 @@ class ClaimsRuntime:
             if claim.finished:
                 return
             claim.finished = True
+        slot = claim.lane_slot
+        if slot is not None and self.lanes is not None:
+            # the slot goes back first: the next task of the lane need not wait for the store
+            # write of this one's completion
+            self.lanes.release(slot)
         if claim.fenced:
             # another worker holds the task now: writing anything would overwrite its claim
             self.untrack(claim)
@@ -294,6 +325,51 @@ class ClaimsRuntime:
         signals.lease_lost.send(
             sender=getattr(request, "task", None), request=request, token=claim.token, error=error
         )
+        if not claim.finished:
+            self._stop_stale(claim)
+
+    def _stop_stale(self, claim: ActiveClaim) -> None:
+        """Stop the copy whose lease was lost: terminate its pool process where possible."""
+        request = claim.request
+        if claim.lane_waiter is not None:
+            # still waiting for its lane, never started: the gate deals with it as a new copy
+            if self.on_waiting_lost is not None:
+                self.on_waiting_lost(claim)
+            return
+        pid = getattr(request, "worker_pid", None)
+        pool = self.pool
+        # Only a separate process can be stopped: thread and solo pools run the task in this
+        # process (worker_pid is ours), where it is fenced instead and its result discarded.
+        if not claim.dispatched or pool is None or not pid or pid == os.getpid():
+            logger.warning(
+                "Claim %s: %s[%s] keeps running fenced; its result will be discarded",
+                claim.claim_id,
+                getattr(request, "name", "?"),
+                getattr(request, "id", "?"),
+            )
+            return
+        with claim.lock:
+            # a task that ended meanwhile must not be stopped: its process may already run
+            # another task (the same last-moment race Celery's revoke(terminate=True) has)
+            if claim.finished or _result_ready(request):
+                return
+            try:
+                # SIGKILL: a stale copy must not run its cleanup code either (it may write)
+                pool.terminate_job(pid, signal.SIGKILL)
+            except Exception as exc:
+                logger.warning(
+                    "Claim %s: could not terminate the stale copy: %r", claim.claim_id, exc
+                )
+                return
+            claim.stopped = True
+        self.counters.incr("stale_terminated")
+        logger.warning(
+            "Claim %s: terminated %s[%s] (pool process %d): another worker owns it now",
+            claim.claim_id,
+            getattr(request, "name", "?"),
+            getattr(request, "id", "?"),
+            pid,
+        )
 
     # --- the keeper thread ------------------------------------------------------------------
 
@@ -340,6 +416,9 @@ class ClaimsRuntime:
         """One keeper beat: renew, retry deferred completions, refresh deliveries."""
         claims = [c for c in self.live_claims() if not c.fenced]
         self._renew(claims)
+        if self.lanes is not None:
+            slots = [c.lane_slot for c in claims if c.lane_slot is not None and not c.fenced]
+            self.lanes.heartbeat(slots)
         for claim in claims:
             if claim.completing and not claim.fenced:
                 claim.completing = False
@@ -403,6 +482,45 @@ class ClaimsRuntime:
                 logger.warning("Lease keeper: could not refresh unacked deliveries: %r", exc)
 
 
+class _Overridden:
+    """``app.conf`` as the worker sees it: command-line ``--claims-*`` values win."""
+
+    def __init__(self, conf: Any, overrides: Mapping[str, Any]) -> None:
+        self._conf = conf
+        self._given = {k: v for k, v in overrides.items() if v is not None}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._given[key] if key in self._given else self._conf.get(key, default)
+
+
+def check_unsafe_settings(conf: Any, overrides: Mapping[str, Any], *, strict: bool) -> None:
+    """Log each unsafe Celery setting with its fix; refuse to start in strict mode.
+
+    Raises:
+        InvalidArgument: ``strict`` and at least one finding; ``name`` is
+            ``claims_strict_settings`` and the message lists every finding.
+    """
+    findings = check_settings(_Overridden(conf, overrides))
+    for finding in findings:
+        logger.warning(
+            "Unsafe setting %s (%s): %s", finding.key, finding.severity.value, finding.message
+        )
+    if strict and findings:
+        listed = "; ".join(f"{f.key}: {f.message}" for f in findings)
+        raise InvalidArgument(
+            "claims_strict_settings",
+            f"the worker refuses to start with {len(findings)} unsafe setting(s): {listed}",
+        )
+
+
+def _result_ready(request: Any) -> bool:
+    # the pool already has the task's outcome (prefork: ApplyResult, held by weak reference)
+    ref = getattr(request, "_apply_result", None)
+    result = ref() if callable(ref) else None
+    ready = getattr(result, "ready", None)
+    return bool(ready()) if callable(ready) else False
+
+
 class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
     """Worker bootstep: reads the settings, creates ``worker.claims``, runs the keeper.
 
@@ -420,11 +538,15 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
         from celery_claims.worker.gate import check_task_policies
 
         check_task_policies(w.app, settings)
+        check_unsafe_settings(w.app.conf, overrides, strict=settings.strict_settings)
         self.runtime = ClaimsRuntime(w.app, settings, w.hostname)
+        # before the pool forks and the consumer builds its tracers, which capture task.run
+        guard_tasks(w.app, settings, self.runtime.manager)
         w.claims = self.runtime
         super().__init__(w, **kwargs)
 
     def start(self, w: Any) -> None:
+        self.runtime.pool = getattr(w, "pool", None)
         self.runtime.start()
 
     def stop(self, w: Any) -> None:

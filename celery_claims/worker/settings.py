@@ -22,12 +22,14 @@ __all__ = [
     "DEFAULT_CLEANUP_LIMIT",
     "DEFAULT_DONE_TTL_MS",
     "DEFAULT_HELD_RECHECK_MS",
+    "DEFAULT_LANE_RECHECK_MS",
     "DEFAULT_LEASE_MS",
     "DEFAULT_RENEW_INTERVAL_MS",
     "DEFAULT_SOCKET_TIMEOUT_MS",
     "DEFAULT_UNAVAILABLE_RETRY_MAX_MS",
     "DEFAULT_UNAVAILABLE_RETRY_MS",
     "ClaimsSettings",
+    "LaneSpec",
     "add_worker_options",
     "load_settings",
 ]
@@ -46,6 +48,8 @@ DEFAULT_UNAVAILABLE_RETRY_MS = 1_000
 DEFAULT_UNAVAILABLE_RETRY_MAX_MS = 30_000
 #: Socket connect/read timeout of the claim store client (the gate runs in the event loop).
 DEFAULT_SOCKET_TIMEOUT_MS = 5_000
+#: How often a worker re-checks a lane that is full while it holds messages waiting for it.
+DEFAULT_LANE_RECHECK_MS = 1_000
 #: Seconds between two ``celery_claims.cleanup_expired`` runs sent by beat.
 DEFAULT_CLEANUP_INTERVAL_S = 300.0
 #: Most expired claims one ``celery_claims.cleanup_expired`` run removes.
@@ -57,6 +61,30 @@ _MAX_MS = 2**31 - 1
 _MIN_RENEW_INTERVAL_MS = 50
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+#: Longest lane name: it becomes a Redis hash tag and a lane kind, which the store caps.
+_MAX_LANE_NAME = 200
+
+
+@dataclass(frozen=True)
+class LaneSpec:
+    """One lane of ``claims_lanes``: a fleet-wide limit on tasks of some Celery queues.
+
+    Attributes:
+        name: the lane's name (its key in ``claims_lanes``; names its keys in the store).
+        queues: the queues whose messages are in the lane.
+        limit: how many of the lane's tasks may run at once across the fleet (0 pauses it).
+        kinds: the task names in the lane, or ``None`` for every task of ``queues``.
+    """
+
+    name: str
+    queues: tuple[str, ...]
+    limit: int
+    kinds: frozenset[str] | None = None
+
+    def covers(self, queue: str, task_name: str) -> bool:
+        """Whether a message of ``task_name`` delivered from ``queue`` is in this lane."""
+        return queue in self.queues and (self.kinds is None or task_name in self.kinds)
 
 
 @dataclass(frozen=True)
@@ -80,6 +108,10 @@ class ClaimsSettings:
         cleanup_interval_s: beat period of ``celery_claims.cleanup_expired``
             (``claims_cleanup_interval_s``).
         cleanup_limit: most claims one cleanup run removes (``claims_cleanup_limit``).
+        lanes: the fleet-wide lanes (``claims_lanes``).
+        lane_recheck_ms: re-check period of a full lane (``claims_lane_recheck_ms``).
+        strict_settings: refuse to start when the unsafe-settings check finds anything
+            (``claims_strict_settings``).
     """
 
     redis_url: str
@@ -94,6 +126,9 @@ class ClaimsSettings:
     refresh_unacked: bool = True
     cleanup_interval_s: float = DEFAULT_CLEANUP_INTERVAL_S
     cleanup_limit: int = DEFAULT_CLEANUP_LIMIT
+    lanes: tuple[LaneSpec, ...] = ()
+    lane_recheck_ms: int = DEFAULT_LANE_RECHECK_MS
+    strict_settings: bool = False
 
     def check_task_lease(self, task_name: str, lease_ms: object) -> int:
         """Validate a per-task ``claims_lease_ms`` attribute against the renew interval.
@@ -123,6 +158,8 @@ _WORKER_OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("claims_unavailable_retry_ms", int, "First retry delay while the claim store is down, ms."),
     ("claims_unavailable_retry_max_ms", int, "Ceiling of that retry delay, ms."),
     ("claims_socket_timeout_ms", int, "Claim store socket timeouts in ms."),
+    ("claims_lane_recheck_ms", int, "Re-check period of a full lane, ms."),
+    ("claims_strict_settings", bool, "Refuse to start on an unsafe Celery setting."),
 )
 
 #: Names of the settings a worker command-line option can override.
@@ -246,6 +283,10 @@ def load_settings(app: Any, overrides: Mapping[str, Any] | None = None) -> Claim
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise InvalidArgument("claims_cleanup_limit", f"must be a positive int, got {limit!r}")
 
+    strict = get("claims_strict_settings", False)
+    if not isinstance(strict, bool):
+        raise InvalidArgument("claims_strict_settings", f"must be a bool, got {strict!r:.80}")
+
     return ClaimsSettings(
         redis_url=url,
         prefix=prefix,
@@ -269,4 +310,91 @@ def load_settings(app: Any, overrides: Mapping[str, Any] | None = None) -> Claim
         refresh_unacked=refresh,
         cleanup_interval_s=float(interval),
         cleanup_limit=limit,
+        lanes=parse_lanes(get("claims_lanes", None)),
+        lane_recheck_ms=_ms(
+            "claims_lane_recheck_ms",
+            get("claims_lane_recheck_ms", DEFAULT_LANE_RECHECK_MS),
+            minimum=10,
+        ),
+        strict_settings=strict,
     )
+
+
+def _names(where: str, value: object) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise InvalidArgument("claims_lanes", f"{where} must be a list of names, got {value!r:.80}")
+    names = tuple(value)
+    if not names:
+        raise InvalidArgument("claims_lanes", f"{where} must not be empty")
+    for name in names:
+        if not isinstance(name, str) or not name or "\x00" in name:
+            raise InvalidArgument(
+                "claims_lanes", f"{where} must hold non-empty names, got {name!r:.80}"
+            )
+    return tuple(dict.fromkeys(names))
+
+
+def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
+    """Validate ``claims_lanes`` into lane specs.
+
+    The setting maps a lane name to ``{"queues": [...], "limit": n}`` and an optional
+    ``"kinds": [task names]``. A message may belong to one lane at most: two lanes that
+    share a queue must list disjoint kinds.
+
+    Raises:
+        InvalidArgument: the value is malformed; ``name`` is ``claims_lanes`` and the message
+            says which lane and which field.
+    """
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise InvalidArgument(
+            "claims_lanes", f"must be a dict of lane name -> settings, got {raw!r:.80}"
+        )
+    lanes: list[LaneSpec] = []
+    for name, spec in raw.items():
+        if not isinstance(name, str) or not name or len(name) > _MAX_LANE_NAME or "\x00" in name:
+            raise InvalidArgument(
+                "claims_lanes",
+                f"lane names must be non-empty strings of at most {_MAX_LANE_NAME} "
+                f"characters, got {name!r:.80}",
+            )
+        if not isinstance(spec, Mapping):
+            raise InvalidArgument("claims_lanes", f"lane {name!r} must be a dict, got {spec!r:.80}")
+        unknown = sorted(set(spec) - {"queues", "limit", "kinds"})
+        if unknown:
+            raise InvalidArgument(
+                "claims_lanes",
+                f"lane {name!r} has unknown keys {unknown}; use queues, limit and kinds",
+            )
+        if "queues" not in spec or "limit" not in spec:
+            raise InvalidArgument("claims_lanes", f"lane {name!r} needs 'queues' and 'limit'")
+        queues = _names(f"lane {name!r} queues", spec["queues"])
+        limit = spec["limit"]
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= 1_000_000:
+            raise InvalidArgument(
+                "claims_lanes",
+                f"lane {name!r} limit must be an int from 0 to 1000000, got {limit!r:.80}",
+            )
+        kinds = spec.get("kinds")
+        lanes.append(
+            LaneSpec(
+                name,
+                queues,
+                limit,
+                None if kinds is None else frozenset(_names(f"lane {name!r} kinds", kinds)),
+            )
+        )
+    for i, first in enumerate(lanes):
+        for second in lanes[i + 1 :]:
+            shared = sorted(set(first.queues) & set(second.queues))
+            if not shared:
+                continue
+            if first.kinds is None or second.kinds is None or first.kinds & second.kinds:
+                raise InvalidArgument(
+                    "claims_lanes",
+                    f"lanes {first.name!r} and {second.name!r} both cover queue "
+                    f"{shared[0]!r}: a message may be in one lane only; give them disjoint "
+                    f"kinds",
+                )
+    return tuple(lanes)

@@ -1,0 +1,480 @@
+"""Fleet-wide lanes on Celery queues: at most ``limit`` tasks of a lane run at once.
+
+``claims_lanes = {"video": {"queues": ["video"], "limit": 2}}`` puts every claimed task
+delivered from the ``video`` queue (or only the task names listed under ``"kinds"``) in lane
+``video``. The limit holds across the whole fleet, through the lane machinery of
+:mod:`celery_claims.lanes`: the generic algorithm :func:`claim_due_for_lane` over a
+:class:`RedisTaskClaimStore`, whose claim script recounts the lane's live leases and claims by
+compare-and-swap in one atomic step.
+
+How a Celery message maps onto that machinery:
+
+- A lane slot is a **ticket**: a record of the lane store (lane key = lane name, one kind =
+  the lane name) that this worker created and claims whenever one of its messages needs a
+  slot. While claimed (status processing, lease live) the ticket fills one of the lane's
+  ``limit`` slots, fleet-wide; when the task ends the worker gives it back with ``retry``
+  (lease cleared, claimable again) and reuses it for its next message. A worker therefore
+  creates at most as many tickets as it has lane messages waiting or running at once, and a
+  message costs no ``enqueue`` (two round trips) in the steady state.
+- Each worker runs the generic algorithm over a **view** of the store
+  (:class:`WorkerLaneView`): the listing is this worker's own waiting messages, oldest first,
+  each with its ticket; the count of active tasks is left to the store, whose claim script
+  recounts atomically anyway (a count here would add a round trip per pass and decide
+  nothing the script does not decide again); the claim goes to the shared store. One pass is
+  one round trip, whatever the number of waiting messages.
+- A message is claimed (the exactly-once claim) before it waits for its lane: duplicates of
+  it are held by the claim, and a crashed worker's waiting messages are redelivered and taken
+  over like running ones.
+- A full lane **holds** the message: unacked, its prefetch slot given back
+  (``qos.increment_eventually()``, as Celery does for ETA tasks) so other queues keep
+  flowing, its claim (and, on Redis, its ``unacked_index`` entry) renewed by the lease keeper,
+  and re-checked by one timer per lane every ``claims_lane_recheck_ms``, never requeued.
+  A slot freed by this worker wakes its lane at once.
+- The lease keeper renews the tickets of running tasks with the claims; a crashed worker's
+  slots come free when their leases expire (``claims_lease_ms``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from celery.utils.log import get_logger
+
+from celery_claims.errors import InvalidValueError, LeaseLost, TaskCoreError
+from celery_claims.lanes.dispatch import claim_due_for_lane, utc_now
+from celery_claims.lanes.model import (
+    MAX_TASK_ID,
+    ClaimedTask,
+    TaskClaimCandidate,
+    TaskLaneConfig,
+    TaskRecord,
+    TaskStatus,
+)
+from celery_claims.lanes.redis import RedisTaskClaimStore
+from celery_claims.worker import signals
+from celery_claims.worker.settings import ClaimsSettings, LaneSpec
+
+__all__ = ["Lane", "LaneSlot", "LaneWaiter", "Ticket", "WorkerLaneView", "WorkerLanes"]
+
+logger = get_logger("celery_claims.worker")
+
+#: Attempts at a fresh random ticket id before giving up (a collision is ~2**-40 likely).
+_ID_ATTEMPTS = 5
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A lane-store record this worker claims to hold one slot of a lane.
+
+    Attributes:
+        id: the record's id in the lane store.
+        token: its current processing token (the next claim expects it).
+    """
+
+    id: int
+    token: int
+
+
+@dataclass(eq=False)
+class LaneSlot:
+    """A slot a running task holds: the lane and the claimed ticket."""
+
+    lane: Lane
+    ticket: Ticket
+    released: bool = False
+
+
+@dataclass(eq=False)
+class LaneWaiter:
+    """A claimed message waiting for a slot of its lane.
+
+    Attributes:
+        request: the worker's ``Request``.
+        claim: its :class:`~celery_claims.worker.keeper.ActiveClaim`.
+        since: when it started waiting (``time.monotonic()``).
+        held: its prefetch slot was given back (the lane was full on a pass).
+        ticket: the ticket it will claim, once it is among the first ``limit`` waiting.
+    """
+
+    request: Any
+    claim: Any
+    since: float = field(default_factory=time.monotonic)
+    held: bool = False
+    ticket: Ticket | None = None
+
+
+class Lane:
+    """The state of one lane in one worker."""
+
+    def __init__(self, spec: LaneSpec) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.kind = spec.name
+        self.config: TaskLaneConfig[str, str] = TaskLaneConfig(
+            lane=spec.name, kinds=(spec.name,), limit=spec.limit
+        )
+        self.waiting: deque[LaneWaiter] = deque()
+        self.free: list[Ticket] = []
+        self.timer_entry: Any = None
+        self.pass_at: float | None = None
+        self.soon = False
+        self.delay_ms = 0
+
+
+class WorkerLaneView:
+    """The ``TaskClaimStore`` one worker runs the generic algorithm over, for one lane.
+
+    Lists this worker's own waiting messages (as their tickets' records, oldest first),
+    leaves the active count to the shared store's atomic recount, and claims in the shared
+    store. See the module docstring.
+    """
+
+    def __init__(self, lanes: WorkerLanes, lane: Lane) -> None:
+        self.lanes = lanes
+        self.lane = lane
+
+    def list_claimable_by_kinds(
+        self, now: datetime, stale_before: datetime, kinds: Sequence[str], limit: int
+    ) -> list[TaskRecord[str]]:
+        """The tickets of the first ``limit`` waiting messages (tickets made as needed)."""
+        records: list[TaskRecord[str]] = []
+        for waiter in list(self.lane.waiting)[:limit]:
+            if waiter.ticket is None:
+                waiter.ticket = self.lanes.take_ticket(self.lane)
+            ticket = waiter.ticket
+            records.append(
+                TaskRecord(ticket.id, self.lane.kind, TaskStatus.PENDING, ticket.token, now)
+            )
+        return records
+
+    def count_active_processing_by_kinds(self, now: datetime, kinds: Sequence[str]) -> int:
+        """0: the shared store recounts the lane atomically inside its claim script."""
+        return 0
+
+    def claim_candidates_for_lane(
+        self,
+        lane_config: TaskLaneConfig[str, str],
+        candidates: Sequence[TaskClaimCandidate],
+        stale_before: datetime,
+        claimed_at: datetime,
+        lease_expires_at: datetime,
+    ) -> list[ClaimedTask]:
+        """Claim in the shared store: one script, one round trip."""
+        return self.lanes.store.claim_candidates_for_lane(
+            lane_config, candidates, stale_before, claimed_at, lease_expires_at
+        )
+
+
+class WorkerLanes:
+    """The lanes of one worker: waiting messages, tickets, passes, slot release.
+
+    Passes run in the consumer's event loop (the gate, the lane timers, ``hub.call_soon``);
+    :meth:`release` and :meth:`heartbeat` may run in any thread.
+
+    Args:
+        settings: the worker's settings (``lanes``, ``lane_recheck_ms``, ``lease_ms``).
+        store: the shared lane store.
+        counters: the worker's counters.
+    """
+
+    def __init__(self, settings: ClaimsSettings, store: RedisTaskClaimStore, counters: Any):
+        self.settings = settings
+        self.store = store
+        self.counters = counters
+        self.lanes = {spec.name: Lane(spec) for spec in settings.lanes}
+        self._by_queue: dict[str, list[Lane]] = {}
+        for lane in self.lanes.values():
+            for queue in lane.spec.queues:
+                self._by_queue.setdefault(queue, []).append(lane)
+        # a lane lease of whole seconds (the algorithm's unit), at least the claim lease
+        self.stale_secs = max(1, math.ceil(settings.lease_ms / 1000))
+        self._lock = threading.Lock()
+        self.consumer: Any = None
+        self.dispatch: Callable[[Any, Any], None] | None = None
+
+    @staticmethod
+    def store_lanes(settings: ClaimsSettings) -> list[TaskLaneConfig[str, str]]:
+        """The lane configs a lane store must be built with for ``settings``."""
+        return [Lane(spec).config for spec in settings.lanes]
+
+    def bind(self, consumer: Any, dispatch: Callable[[Any, Any], None]) -> None:
+        """Attach the consumer (timer, hub, qos) and the gate's hand-off to the pool."""
+        self.consumer = consumer
+        self.dispatch = dispatch
+
+    def lane_of(self, queue_id: str, task_name: str) -> Lane | None:
+        """The lane a message of ``task_name`` from ``queue_id`` is in, or None."""
+        for lane in self._by_queue.get(queue_id, ()):
+            if lane.spec.covers(queue_id, task_name):
+                return lane
+        return None
+
+    # --- admission and passes (event loop) --------------------------------------------------
+
+    def admit(self, lane: Lane, request: Any, claim: Any) -> None:
+        """Queue a claimed message for its lane; a pass for it runs on the next loop turn.
+
+        The gate has just spent this message's round trip on the claim, so the lane pass
+        (another round trip) is left to the next turn of the event loop, where one pass
+        serves every message that arrived meanwhile.
+        """
+        claim.lane_waiter = LaneWaiter(request, claim)
+        lane.waiting.append(claim.lane_waiter)
+        self._soon(lane, "arrival")
+
+    def run_pass(self, lane: Lane, why: str) -> None:
+        """Give free slots to the oldest waiting messages; hold the rest and re-check later.
+
+        Arrivals and wake-ups leave a pending re-check where it is, so held messages are
+        re-checked once per ``claims_lane_recheck_ms`` however busy the lane is.
+        """
+        if not lane.waiting:
+            self._cancel_timer(lane)
+            return
+        if why == "timer":
+            self.counters.incr("lane_rechecks", sum(1 for w in lane.waiting if w.held))
+        elif why == "wakeup":
+            self.counters.incr("lane_wakeups")
+        try:
+            granted = claim_due_for_lane(
+                WorkerLaneView(self, lane), lane.config, self.stale_secs, lambda _kind: lane.name
+            )
+        except TaskCoreError as exc:
+            self.counters.incr("lane_unavailable")
+            lane.delay_ms = (
+                self.settings.unavailable_retry_ms
+                if lane.delay_ms == 0
+                else min(lane.delay_ms * 2, self.settings.unavailable_retry_max_ms)
+            )
+            logger.warning(
+                "Lane %s: lane store unavailable (%s); %d message(s) wait, retrying in %.1f s",
+                lane.name,
+                exc,
+                len(lane.waiting),
+                lane.delay_ms / 1000,
+            )
+            self._hold_rest(lane)
+            self._cancel_timer(lane)
+            self._schedule(lane, lane.delay_ms)
+            return
+        lane.delay_ms = 0
+        by_ticket = {w.ticket.id: w for w in lane.waiting if w.ticket is not None}
+        for record, lease in granted:
+            waiter = by_ticket[record.id]
+            assert waiter.ticket is not None
+            waiter.ticket.token = lease.processing_token
+            lane.waiting.remove(waiter)
+            self._grant(lane, waiter)
+        self._hold_rest(lane)
+        if not lane.waiting:
+            self._cancel_timer(lane)
+        elif lane.timer_entry is None:
+            self._schedule(lane, self.settings.lane_recheck_ms)
+
+    def _grant(self, lane: Lane, waiter: LaneWaiter) -> None:
+        assert waiter.ticket is not None
+        claim = waiter.claim
+        claim.lane_waiter = None
+        claim.lane_slot = LaneSlot(lane, waiter.ticket)
+        if waiter.held:
+            self.consumer.qos.decrement_eventually()
+        self.counters.incr("lane_acquired")
+        logger.debug("Lane %s: slot for claim %s", lane.name, claim.claim_id)
+        assert self.dispatch is not None
+        self.dispatch(waiter.request, claim)
+
+    def _hold_rest(self, lane: Lane) -> None:
+        for waiter in lane.waiting:
+            if waiter.held:
+                continue
+            waiter.held = True
+            # a waiting message keeps its prefetch slot otherwise: give it back, as Celery
+            # does for ETA requests, so the worker's other queues keep flowing
+            self.consumer.qos.increment_eventually()
+            self.counters.incr("lane_held")
+            request = waiter.request
+            recheck_s = self.settings.lane_recheck_ms / 1000
+            logger.info(
+                "Held %s[%s]: lane %s is full (limit %d); kept unacked, re-checking every %.1f s",
+                request.name,
+                request.id,
+                lane.name,
+                lane.spec.limit,
+                recheck_s,
+            )
+            signals.task_held.send(
+                sender=request.task,
+                request=request,
+                reason="lane",
+                claim_id=waiter.claim.claim_id,
+                holder=None,
+                recheck_s=recheck_s,
+            )
+
+    # --- timers -----------------------------------------------------------------------------
+
+    def _schedule(self, lane: Lane, delay_ms: int) -> None:
+        at = time.monotonic() + delay_ms / 1000
+        if lane.timer_entry is not None and lane.pass_at is not None and lane.pass_at <= at:
+            return
+        self._cancel_timer(lane)
+        lane.pass_at = at
+        lane.timer_entry = self.consumer.timer.call_after(
+            delay_ms / 1000, self._on_timer, (lane,), priority=6
+        )
+
+    def _cancel_timer(self, lane: Lane) -> None:
+        entry, lane.timer_entry, lane.pass_at = lane.timer_entry, None, None
+        if entry is not None:
+            with contextlib.suppress(Exception):
+                self.consumer.timer.cancel(entry)
+
+    def _on_timer(self, lane: Lane) -> None:
+        lane.timer_entry = None
+        lane.pass_at = None
+        self._safe_pass(lane, "timer")
+
+    def _safe_pass(self, lane: Lane, why: str) -> None:
+        try:
+            self.run_pass(lane, why)
+        except Exception:
+            # never lose a waiting message to a bug: keep it and try again later
+            logger.exception("Lane %s: pass failed", lane.name)
+            with contextlib.suppress(Exception):
+                self._schedule(lane, self.settings.lane_recheck_ms)
+
+    def wake(self, lane: Lane) -> None:
+        """Run a pass of ``lane`` soon, from any thread (a slot of this worker came free)."""
+        if lane.waiting:
+            self._soon(lane, "wakeup")
+
+    def _soon(self, lane: Lane, why: str) -> None:
+        # one pending pass per lane serves every arrival and wake-up until it runs (a racing
+        # second call from another thread costs at most one extra pass)
+        consumer = self.consumer
+        if consumer is None or lane.soon:
+            return
+        lane.soon = True
+        hub = getattr(consumer, "hub", None)
+        if hub is not None:
+            # thread-safe, and wakes the loop if it sleeps in poll
+            hub.call_soon(self._soon_pass, lane, why)
+        else:
+            consumer.timer.call_after(0, self._soon_pass, (lane, why), priority=6)
+
+    def _soon_pass(self, lane: Lane, why: str) -> None:
+        lane.soon = False
+        self._safe_pass(lane, why)
+
+    # --- tickets ----------------------------------------------------------------------------
+
+    def take_ticket(self, lane: Lane) -> Ticket:
+        """A free ticket of ``lane``, creating one in the store if none is free.
+
+        Raises:
+            TaskCoreError: the store failed while creating one.
+        """
+        with self._lock:
+            if lane.free:
+                return lane.free.pop()
+        for _ in range(_ID_ATTEMPTS):
+            ticket_id = secrets.randbelow(MAX_TASK_ID) + 1
+            try:
+                # due a second ago: claimable by the pass that follows, on any clock reading
+                self.store.enqueue(
+                    ticket_id, lane.kind, next_run_at=utc_now() - timedelta(seconds=1)
+                )
+            except InvalidValueError:
+                continue  # the id is taken (astronomically unlikely): draw another
+            self.counters.incr("lane_tickets")
+            return Ticket(ticket_id, 0)
+        raise InvalidValueError(f"lane {lane.name!r}: no free ticket id after {_ID_ATTEMPTS} draws")
+
+    def give_back(self, lane: Lane, ticket: Ticket) -> None:
+        """Return an unclaimed ticket to the free list."""
+        with self._lock:
+            lane.free.append(ticket)
+
+    # --- running tasks (any thread) ---------------------------------------------------------
+
+    def release(self, slot: LaneSlot) -> None:
+        """Free a running task's slot (one round trip) and wake its lane. Idempotent."""
+        with self._lock:
+            if slot.released:
+                return
+            slot.released = True
+        ticket = slot.ticket
+        try:
+            self.store.retry(ticket.id, ticket.token, next_run_at=utc_now() - timedelta(seconds=1))
+        except LeaseLost:
+            # the ticket was claimed by someone else (its store data was lost): forget it
+            logger.warning("Lane %s: ticket %d was lost", slot.lane.name, ticket.id)
+            return
+        except TaskCoreError as exc:
+            # its lease is no longer renewed and expires by itself; the ticket stays usable
+            logger.warning("Lane %s: could not free a slot now (%s)", slot.lane.name, exc)
+        self.counters.incr("lane_released")
+        self.give_back(slot.lane, ticket)
+        self.wake(slot.lane)
+
+    def heartbeat(self, slots: Sequence[LaneSlot]) -> None:
+        """Renew the lane leases of running tasks (one batched round trip per call)."""
+        live = [s for s in slots if not s.released]
+        if not live:
+            return
+        lease = utc_now() + timedelta(seconds=self.stale_secs)
+        try:
+            results = self.store.heartbeat_many(
+                [(s.ticket.id, s.ticket.token) for s in live], lease_expires_at=lease
+            )
+        except TaskCoreError as exc:
+            self.counters.incr("lane_renew_unavailable")
+            logger.warning("Lane keeper: lane store unavailable: %s", exc)
+            return
+        for slot, error in zip(live, results, strict=True):
+            if error is None:
+                self.counters.incr("lane_renewals")
+            elif isinstance(error, LeaseLost):
+                self.counters.incr("lane_lease_lost")
+                logger.warning("Lane %s: a running task's slot lease was lost", slot.lane.name)
+
+    # --- a waiting message leaves without a slot (event loop) -------------------------------
+
+    def forget(self, claim: Any) -> Any:
+        """Remove ``claim``'s message from its lane's waiting list; returns the waiter or None."""
+        waiter = getattr(claim, "lane_waiter", None)
+        if waiter is None:
+            return None
+        claim.lane_waiter = None
+        for lane in self.lanes.values():
+            if waiter in lane.waiting:
+                lane.waiting.remove(waiter)
+                if waiter.ticket is not None:
+                    self.give_back(lane, waiter.ticket)
+                    waiter.ticket = None
+                if not lane.waiting:
+                    self._cancel_timer(lane)
+                return waiter
+        return None
+
+    def drop_all(self) -> list[LaneWaiter]:
+        """Forget every waiting message (the connection is closing); returns them."""
+        dropped: list[LaneWaiter] = []
+        for lane in self.lanes.values():
+            self._cancel_timer(lane)
+            while lane.waiting:
+                waiter = lane.waiting.popleft()
+                waiter.claim.lane_waiter = None
+                if waiter.ticket is not None:
+                    self.give_back(lane, waiter.ticket)
+                dropped.append(waiter)
+        return dropped

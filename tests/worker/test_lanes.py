@@ -1,0 +1,152 @@
+"""Fleet-wide lanes on Celery queues, with real prefork workers on Redis and RabbitMQ."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.servers import RedisServer, missing_service
+from tests.worker.helpers import unique, wait_for
+from tests.worker.lanefleet import counters, events, lanes_worker, max_overlap
+from tests.worker.processes import Fleet
+
+pytestmark = pytest.mark.slow
+
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
+#: The scenario of the issue: limit 2 across 2 workers x prefork -c 2, 20 tasks of 1 s.
+LIMIT, TASKS, TASK_S = 2, 20, 1.0
+#: Re-check period of a full lane in these tests.
+RECHECK_MS = 500
+
+
+@pytest.fixture(params=["redis", pytest.param("rabbitmq", marks=pytest.mark.rabbitmq)])
+def broker(request: pytest.FixtureRequest, private_redis: RedisServer) -> Iterator[str]:
+    """The broker URL: the test's private Redis, or the machine's RabbitMQ."""
+    if request.param == "redis":
+        yield private_redis.url
+        return
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=2).close()
+    except OSError:
+        missing_service("RabbitMQ at 127.0.0.1:5672")
+    queues: list[str] = []
+    request.node.rabbitmq_queues = queues
+    yield RABBITMQ_URL
+    from kombu import Connection
+
+    with Connection(RABBITMQ_URL) as conn:
+        for name in queues:
+            with contextlib.suppress(Exception):
+                conn.default_channel.queue_delete(name)
+
+
+def _runs(log: list[dict[str, Any]], killed: dict[str, float]) -> list[tuple[float, float]]:
+    """(start, end) of every run; a run killed with its worker ends at the kill."""
+    starts = {(e["id"], e["pid"]): e for e in log if e["event"] == "start"}
+    ends = {(e["id"], e["pid"]): e["at"] for e in log if e["event"] == "end"}
+    runs = []
+    for key, start in starts.items():
+        end = ends.get(key, killed.get(str(start["worker"]).split("@")[0]))
+        assert end is not None, f"run {key} neither ended nor was killed"
+        runs.append((float(start["at"]), float(end)))
+    return runs
+
+
+def test_a_lane_limit_holds_across_workers_while_other_queues_flow_and_a_killed_worker_loses_nothing(  # noqa: E501
+    request: pytest.FixtureRequest, broker: str, fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given lane "video" (limit 2) on the queue, and 2 workers x prefork -c 2 consuming it
+    # and a second queue outside the lane
+    backend, queue = private_redis.url, unique("q")
+    other = f"{queue}-other"
+    if hasattr(request.node, "rabbitmq_queues"):
+        request.node.rabbitmq_queues.extend([queue, other])
+    lanes = {"video": {"queues": [queue], "limit": LIMIT}}
+    workers = {
+        name: lanes_worker(
+            fleet, name, broker=broker, backend=backend, queue=queue, lanes=lanes,
+            lane_recheck_ms=RECHECK_MS,
+        )
+        for name in ("a", "b")
+    }  # fmt: skip
+    for proc in workers.values():
+        proc.wait_ready()
+    client = fleet.client(broker, backend, queue)
+
+    # When 20 tasks of 1 s are sent to the lane's queue
+    results = [
+        client.send_task("lanes.work", (TASK_S,), task_id=f"video-{i}") for i in range(TASKS)
+    ]
+    # ... and, once the lane is full, a task on the other queue
+    wait_for(
+        lambda: sum(e["event"] == "held" for e in events(backend, queue)) >= 2,
+        timeout=30,
+        what="messages held by the full lane",
+    )
+    side = client.send_task("lanes.work", (0.1,), task_id="side-1", queue=other)
+    side.get(timeout=30)
+    # ... and then the worker holding the most waiting lane messages is SIGKILLed
+    log = events(backend, queue)
+    started = {e["id"] for e in log if e["event"] == "start"}
+    waiting: dict[str, int] = {"a": 0, "b": 0}
+    for e in log:
+        if e["event"] == "held" and e["id"] not in started:
+            waiting[str(e["worker"]).split("@")[0]] += 1
+    victim = max(waiting, key=lambda name: waiting[name])
+    assert waiting[victim] > 0, f"no worker holds a waiting lane message: {waiting}"
+    time.sleep(0.6)  # let the victim publish its counters once more
+    workers[victim].kill_group()
+    killed = {victim: time.time()}
+
+    # Then every lane task completes: the killed worker's messages were not lost
+    deadline = 90
+    assert all(r.get(timeout=deadline) for r in results), fleet.logs()
+    log = events(backend, queue)
+
+    # ... never more than 2 ran at once, fleet-wide, counting the killed worker's runs
+    lane_runs = _runs([e for e in log if str(e.get("id", "")).startswith("video-")], killed)
+    assert max_overlap(lane_runs) <= LIMIT, sorted(lane_runs)
+    assert max_overlap(lane_runs) == LIMIT  # the lane was used to its limit
+
+    # ... the other queue's task ran while the lane was full (2 lane tasks running around it)
+    side_start, side_end = _runs([e for e in log if e.get("id") == "side-1"], killed)[0]
+    assert sum(1 for s, e in lane_runs if s <= side_start and e >= side_end) == LIMIT
+    later = [s for s, _ in lane_runs if s > side_end]
+    assert len(later) >= 4, "the side task did not finish while lane tasks still waited"
+
+    # ... and a held message was re-checked about once per re-check period, not in a loop:
+    # each held message was held from its "held" event until it started on that worker (or
+    # until that worker was killed)
+    held_s = 0.0
+    for e in log:
+        if e["event"] != "held":
+            continue
+        name = str(e["worker"]).split("@")[0]
+        own_starts = [
+            x["at"]
+            for x in log
+            if x["event"] == "start" and x["id"] == e["id"] and x["worker"] == e["worker"]
+        ]
+        until = min(own_starts) if own_starts else killed.get(name, time.time())
+        held_s += max(0.0, until - e["at"])
+    stats = counters(backend, queue)
+    rechecks = sum(c.get("lane_rechecks", 0) for c in stats.values())
+    held = sum(c.get("lane_held", 0) for c in stats.values())
+    periods = held_s / (RECHECK_MS / 1000)
+    assert held > 0, stats
+    assert 0 < rechecks <= 1.5 * periods + 2 * held, (rechecks, periods, held, stats)
+    # the lane's slots were given back: none is held by a live worker any more
+    survivor = ({"a", "b"} - {victim}).pop()
+
+    def settled() -> bool:
+        mine = next(c for n, c in counters(backend, queue).items() if n.startswith(survivor))
+        return bool(mine["lane_acquired"] == mine["lane_released"] > 0)
+
+    wait_for(settled, timeout=5, what="the survivor's lane slots to be given back")
+    print(f"rechecks={rechecks} held_periods={periods:.1f} held={held} stats={stats}")
