@@ -3,9 +3,10 @@
 Only this subpackage imports Celery; the claim core does not.
 """
 
+from celery_claims.worker.guard import StaleCopy, current_claim
 from celery_claims.worker.install import install
 from celery_claims.worker.keeper import ActiveClaim, ClaimsRuntime
-from celery_claims.worker.settings import ClaimsSettings, load_settings
+from celery_claims.worker.settings import ClaimsSettings, LaneSpec, load_settings
 from celery_claims.worker.signals import (
     Counters,
     claim_acquired,
@@ -20,7 +21,11 @@ __all__ = [
     "install",
     # settings
     "ClaimsSettings",
+    "LaneSpec",
     "load_settings",
+    # task code
+    "StaleCopy",
+    "current_claim",
     # run-time state
     "ActiveClaim",
     "ClaimsRuntime",

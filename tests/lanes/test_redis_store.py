@@ -11,7 +11,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_claims.lanes import CodecError, IoError, TaskClaimCandidate, TaskLaneConfig
+from celery_claims.lanes import CodecError, IoError, LeaseLost, TaskClaimCandidate, TaskLaneConfig
 from celery_claims.lanes.keys import member
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from tests.lanes.conftest import LANES, MAIL, T0
@@ -189,3 +189,42 @@ def test_interrupted_enqueue_can_be_repeated(plain_redis: redis.Redis, key_prefi
     # Then the task exists and is claimable
     listed: Any = store.list_claimable_by_kinds(T0, T0, MAIL.kinds, 1)
     assert [task.id for task in listed] == [1]
+
+
+def test_heartbeat_many_renews_every_live_lease_in_one_pipeline_and_reports_each_lost_one(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    # Given three claimed tasks, one of them claimed again since (its first attempt is stale)
+    client = redis_server.client()
+    store = RedisTaskClaimStore(client=client, lanes=LANES, prefix=key_prefix)
+    for task_id in (1, 2, 3):
+        store.enqueue(task_id, "send_email", next_run_at=T0)
+    wide = TaskLaneConfig("mail", MAIL.kinds, 10)
+    store.claim_candidates_for_lane(
+        wide, [TaskClaimCandidate(i, i, 0, 1) for i in (1, 2, 3)], T0, T0, LEASE
+    )
+    store.retry(3, 1, next_run_at=T0)
+    store.claim_candidates_for_lane(wide, [TaskClaimCandidate(0, 3, 1, 2)], T0, T0, LEASE)
+    store.heartbeat(1, 1, lease_expires_at=LEASE)  # loads the script outside the count
+    observer = redis_server.client()
+    before = command_calls(observer)
+
+    # When the first attempts of all three are renewed in one call
+    later = LEASE + timedelta(seconds=60)
+    results = store.heartbeat_many([(1, 1), (2, 1), (3, 1)], lease_expires_at=later)
+
+    # Then the live two are renewed, the stale one is reported, in one pipelined round trip
+    assert results[:2] == [None, None]
+    assert isinstance(results[2], LeaseLost)
+    assert store.get_task(1).lease_expires_at == later  # type: ignore[union-attr]
+    assert store.get_task(3).lease_expires_at == LEASE  # type: ignore[union-attr]
+    after = command_calls(observer)
+    sent = {
+        name: after[name] - before.get(name, 0)
+        for name in after
+        if name not in SCRIPT_INTERNAL | {"info", "hget"} and after[name] != before.get(name, 0)
+    }
+    # redis-py checks the script is loaded once per pipeline (SCRIPT EXISTS) before sending it
+    assert sent == {"evalsha": 3, "script|exists": 1}
+    client.close()
+    observer.close()

@@ -1,0 +1,171 @@
+"""What celery-claims costs a Celery fleet: plain Celery vs claims vs celery-once/singleton.
+
+Run it as ``python bench/celery_overhead.py`` (``--quick`` for a smoke run). It starts its own
+``redis-server`` on a free port (broker and every plugin's store), then, for each round, each
+pool (prefork ``-c 2`` and solo), each variant (plain Celery, celery-claims, celery-once,
+celery-singleton; in a rotated order per round) starts one real ``celery worker``, publishes a
+warm-up batch, then measures two batches: N no-op tasks and N tasks of 10 ms. A batch is timed
+from its first publish until the queue and kombu's unacked set are both empty (every task
+acked; ``task_acks_late`` for all variants), so the producer-side work of celery-once and
+celery-singleton (their lock is taken when a task is sent) counts too. Each variant's time is
+reported as a ratio to plain Celery's time in the same round. Needs ``celery-once`` and
+``celery-singleton`` (``pip install -e .[bench]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.overhead_app import build  # noqa: E402
+from celery_claims.demo.runner import private_redis  # noqa: E402
+
+VARIANTS = ("plain", "claims", "once", "singleton")
+POOLS = ("prefork", "solo")
+KINDS = (("noop", "bench.noop"), ("10ms", "bench.sleep10"))
+
+
+_producers: dict[tuple[str, str], object] = {}
+
+
+def start_worker(
+    url: str, variant: str, pool: str, queue: str, log: Path
+) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "BENCH_VARIANT": variant, "BENCH_URL": url, "BENCH_QUEUE": queue}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    args = [
+        sys.executable, "-m", "celery", "-A", "bench.overhead_app", "worker",
+        "-P", pool, "-c", "2" if pool == "prefork" else "1", "-Q", queue, "-l", "WARNING",
+        "--without-mingle", "--without-gossip", "--without-heartbeat",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def wait_ready(client: redis.Redis, url: str, variant: str, queue: str, log: Path) -> None:
+    # a worker is ready once it drains a first task
+    run_batch(client, url, variant, queue, "bench.noop", 1, timeout=60, log=log)
+
+
+def run_batch(
+    client: redis.Redis,
+    url: str,
+    variant: str,
+    queue: str,
+    task: str,
+    n: int,
+    *,
+    timeout: float = 600,
+    log: Path | None = None,
+) -> float:
+    """Publish ``n`` tasks and return the seconds until all are acked."""
+    app = _producers.get((variant, queue))
+    if app is None:
+        app = _producers[(variant, queue)] = build(variant, url, queue)
+    sender = app.tasks[task]
+    offset = int(time.time() * 1000) * 10_000  # unique args: celery-once/singleton key on them
+    start = time.perf_counter()
+    with app.producer_or_acquire() as producer:
+        for i in range(n):
+            sender.apply_async((offset + i,), queue=queue, producer=producer)
+    deadline = time.monotonic() + timeout
+    while client.llen(queue) or client.hlen("unacked"):
+        if time.monotonic() > deadline:
+            tail = log.read_text()[-2000:] if log else ""
+            raise SystemExit(f"{variant}: {task} batch not drained in {timeout} s\n{tail}")
+        time.sleep(0.005)
+    return time.perf_counter() - start
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--quick", action="store_true", help="100 tasks, 1 round, prefork only")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--pools", default=",".join(POOLS))
+    opts = parser.parse_args()
+    tasks, rounds, warmup = opts.tasks, opts.rounds, opts.warmup
+    variants = tuple(opts.variants.split(","))
+    pools = tuple(opts.pools.split(","))
+    if opts.quick:
+        tasks, rounds, warmup, pools = 100, 1, 10, ("prefork",)
+    assert variants[0] == "plain", "ratios are against plain Celery: list it first"
+    logs = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    times: dict[tuple[str, str, str], list[float]] = {}
+    ratios: dict[tuple[str, str, str], list[float]] = {}
+    with private_redis() as url:
+        client = redis.Redis.from_url(url)
+        for rnd in range(rounds):
+            # rotate the order so no variant always runs first (or on a warmer machine)
+            order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
+            for pool in pools:
+                measured: dict[tuple[str, str], float] = {}
+                for variant in order:
+                    queue = f"bench-{variant}-{pool}-{rnd}"
+                    log = logs / f"{queue}.log"
+                    proc = start_worker(url, variant, pool, queue, log)
+                    try:
+                        wait_ready(client, url, variant, queue, log)
+                        run_batch(client, url, variant, queue, "bench.noop", warmup, log=log)
+                        for kind, task in KINDS:
+                            took = run_batch(client, url, variant, queue, task, tasks, log=log)
+                            measured[(variant, kind)] = took
+                            times.setdefault((pool, kind, variant), []).append(took)
+                    finally:
+                        stop(proc)
+                        app = _producers.pop((variant, queue), None)
+                        if app is not None:
+                            app.close()  # type: ignore[attr-defined]
+                for variant in variants:
+                    for kind, _ in KINDS:
+                        ratio = measured[(variant, kind)] / measured[("plain", kind)]
+                        ratios.setdefault((pool, kind, variant), []).append(ratio)
+                        took = measured[(variant, kind)]
+                        print(
+                            f"round {rnd + 1} {pool:7} {kind:4} {variant:9} {took:7.3f} s "
+                            f"{tasks / took:7.0f} tasks/s  x{ratio:.3f}",
+                            flush=True,
+                        )
+        client.close()
+    print(f"\n{tasks} tasks per batch, {rounds} round(s); ratio = time / plain Celery's time")
+    print("| pool | tasks | variant | tasks/s (median) | ratio per round | median ratio |")
+    print("|---|---|---|---:|---|---:|")
+    for pool in pools:
+        for kind, _ in KINDS:
+            for variant in variants:
+                key = (pool, kind, variant)
+                rate = tasks / statistics.median(times[key])
+                per_round = " / ".join(f"{r:.3f}" for r in ratios[key])
+                print(
+                    f"| {pool} | {kind} | {variant} | {rate:,.0f} | {per_round} | "
+                    f"{statistics.median(ratios[key]):.3f} |"
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The app of the Celery overhead benchmark (see ``bench/celery_overhead.py``).
+
+``BENCH_VARIANT`` picks what the tasks run under: ``plain`` (Celery alone), ``claims``
+(``celery_claims.install``), ``once`` (celery-once's ``QueueOnce`` base) or ``singleton``
+(celery-singleton's ``Singleton`` base). ``BENCH_URL`` is the Redis used as broker and as
+every plugin's store; ``BENCH_QUEUE`` the queue. No result backend: the benchmark measures
+the time to drain the queue. The producer builds the same app with :func:`build`, since
+celery-once and celery-singleton take their lock when a task is sent.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery import Celery
+
+
+def build(variant: str, url: str, queue: str) -> Celery:
+    """The benchmark app for one variant."""
+    app = Celery(f"bench-{variant}", broker=url, set_as_current=False)
+    app.conf.update(
+        broker_connection_retry_on_startup=True,
+        task_default_queue=queue,
+        # the settings celery-claims recommends, for every variant alike
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        task_time_limit=600,
+        worker_hijack_root_logger=False,
+        ONCE={
+            "backend": "celery_once.backends.Redis",
+            "settings": {"url": url, "default_timeout": 600},
+        },
+        singleton_backend_url=url,
+        claims_lease_ms=60_000,
+        claims_renew_interval_ms=15_000,
+    )
+    base: Any = None
+    if variant == "claims":
+        from celery_claims.worker import install
+
+        install(app)
+    elif variant == "once":
+        from celery_once import QueueOnce
+
+        base = QueueOnce
+    elif variant == "singleton":
+        from celery_singleton import Singleton
+
+        base = Singleton
+    options: dict[str, Any] = {} if base is None else {"base": base}
+
+    @app.task(name="bench.noop", shared=False, **options)
+    def noop(i: int) -> None:
+        """Nothing: the per-task cost of the machinery alone."""
+        return
+
+    @app.task(name="bench.sleep10", shared=False, **options)
+    def sleep10(i: int) -> None:
+        """10 ms of work."""
+        time.sleep(0.01)
+
+    return app
+
+
+if "BENCH_URL" in os.environ and "BENCH_VARIANT" in os.environ:
+    app = build(
+        os.environ["BENCH_VARIANT"], os.environ["BENCH_URL"], os.environ.get("BENCH_QUEUE", "b")
+    )
