@@ -1,8 +1,9 @@
 """celery-claims: exactly-once-ish task execution and fleet-wide capacity limits for Celery.
 
-``celery_claims.install(app)`` makes a Celery app claim-aware. The claim core imported here
-does not import Celery: ``install`` is loaded on first use, so ``import celery_claims`` stays
-cheap for code that only uses claims (and lanes, from ``celery_claims.lanes``).
+``celery_claims.install(app)`` makes a Celery app claim-aware, and ``current_claim()`` gives
+task code its claim (with the fencing number). The claim core imported here does not import
+Celery: those two are loaded on first use, so ``import celery_claims`` stays cheap for code
+that only uses claims (and lanes, from ``celery_claims.lanes``).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -31,22 +32,26 @@ from celery_claims.model import (
 )
 
 if TYPE_CHECKING:
-    from celery_claims.worker import install
+    from celery_claims.worker import current_claim, install
 
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    # PEP 562: the Celery integration is imported only when ``install`` is first used
-    if name == "install":
-        from celery_claims.worker import install
+#: Names served by the Celery integration, imported on first use (PEP 562).
+_FROM_WORKER = ("current_claim", "install")
 
-        return install
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_WORKER:
+        from celery_claims import worker
+
+        return getattr(worker, name)
     raise AttributeError(f"module 'celery_claims' has no attribute {name!r}")
 
 
 __all__ = [
     # the Celery integration
+    "current_claim",
     "install",
     # claim managers
     "ClaimManager",

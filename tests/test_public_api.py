@@ -26,10 +26,11 @@ def test_importing_the_core_does_not_import_celery_or_kombu() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_install_is_the_worker_integration_loaded_on_first_use() -> None:
-    from celery_claims.worker import install
+def test_install_and_current_claim_are_the_worker_integration_loaded_on_first_use() -> None:
+    from celery_claims.worker import current_claim, install
 
     assert celery_claims.install is install
+    assert celery_claims.current_claim is current_claim
 
 
 def test_an_unknown_attribute_is_an_attribute_error() -> None:
