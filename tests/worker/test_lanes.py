@@ -96,11 +96,19 @@ def test_a_lane_limit_holds_across_workers_while_other_queues_flow_and_a_killed_
     started = {e["id"] for e in log if e["event"] == "start"}
     waiting: dict[str, int] = {"a": 0, "b": 0}
     for e in log:
-        if e["event"] == "held" and e["id"] not in started:
+        if e["event"] == "held" and e["reason"] == "lane" and e["id"] not in started:
             waiting[str(e["worker"]).split("@")[0]] += 1
     victim = max(waiting, key=lambda name: waiting[name])
     assert waiting[victim] > 0, f"no worker holds a waiting lane message: {waiting}"
-    time.sleep(0.6)  # let the victim publish its counters once more
+
+    def victim_rechecked() -> bool:
+        published = counters(backend, queue)
+        return any(
+            n.startswith(f"{victim}@") and c.get("lane_rechecks") for n, c in published.items()
+        )
+
+    # the victim re-checks its full lane on its timer (and publishes that) before it dies
+    wait_for(victim_rechecked, timeout=10, what=f"a lane re-check on {victim}")
     workers[victim].kill_group()
     killed = {victim: time.time()}
 
@@ -125,7 +133,7 @@ def test_a_lane_limit_holds_across_workers_while_other_queues_flow_and_a_killed_
     # until that worker was killed)
     held_s = 0.0
     for e in log:
-        if e["event"] != "held":
+        if e["event"] != "held" or e["reason"] != "lane":
             continue
         name = str(e["worker"]).split("@")[0]
         own_starts = [
