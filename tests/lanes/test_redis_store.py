@@ -63,10 +63,14 @@ def test_worker_that_claimed_a_task_settles_it_in_one_round_trip(
     # Given a task enqueued by a producer and claimed by a worker (two stores, two processes)
     producer = RedisTaskClaimStore(client=redis_server.client(), lanes=LANES, prefix=key_prefix)
     producer.enqueue(1, "send_email", next_run_at=T0)
+    producer.enqueue(2, "send_email", next_run_at=T0)
     client = redis_server.client()
     worker = RedisTaskClaimStore(client=client, lanes=LANES, prefix=key_prefix)
-    worker.claim_candidates_for_lane(MAIL, [TaskClaimCandidate(0, 1, 0, 1)], T0, T0, LEASE)
-    worker.heartbeat(1, 1, lease_expires_at=LEASE)  # loads the script outside the count
+    candidates = [TaskClaimCandidate(0, 1, 0, 1), TaskClaimCandidate(1, 2, 0, 1)]
+    worker.claim_candidates_for_lane(MAIL, candidates, T0, T0, LEASE)
+    # settling task 2 loads both scripts, so the count below sees no SCRIPT LOAD
+    worker.heartbeat(2, 1, lease_expires_at=LEASE)
+    worker.complete(2, 1)
     observer = redis_server.client()
     before = command_calls(observer)
 
