@@ -21,9 +21,6 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celery_claims.lanes import TaskLaneConfig, claim_due_for_lane, utc_now
-from celery_claims.lanes.redis import RedisTaskClaimStore
-
 URL = os.environ.get("CLAIMS_DEMO_REDIS", "redis://127.0.0.1:6379/0")
 NS = os.environ.get("CLAIMS_DEMO_NS", "claims-demo")
 QUEUE = os.environ.get("CLAIMS_DEMO_QUEUE", "claims")
@@ -33,8 +30,6 @@ METRICS_PORT = os.environ.get("CLAIMS_DEMO_METRICS_PORT", "")
 
 #: Seconds after which Redis restores an unacked message (kombu's default is 3600).
 VISIBILITY_TIMEOUT_S = 3
-#: The demo lane: one kind, capped fleet-wide at ``CLAIMS_DEMO_LANE_LIMIT``.
-LANE = TaskLaneConfig(lane="video", kinds=("render",), limit=LANE_LIMIT)
 #: Seconds one lane job runs.
 LANE_JOB_S = 1.0
 
@@ -64,11 +59,13 @@ app.conf.update(
 )
 
 if CLAIMS:
-    from celery_claims.observe import connect_journal
     from celery_claims.worker import install
 
-    install(app)
-    connect_journal()
+    # the demo lane: lane jobs of this queue, capped fleet-wide; the plain side has no cap
+    app.conf.claims_lanes = {
+        "video": {"queues": [QUEUE], "kinds": ["demo.lane_job"], "limit": LANE_LIMIT}
+    }
+    install(app)  # also connects the journal of skipped copies
     if METRICS_PORT:
         from celery_claims.metrics import install_metrics
 
@@ -111,37 +108,8 @@ def work(self: Any, seconds: float) -> float:
 
 @app.task(bind=True, name="demo.lane_job")  # type: ignore[untyped-decorator]
 def lane_job(self: Any, job: int) -> None:
-    """One lane job run directly as a Celery task: the fleet's slots are the only limit."""
+    """One lane job: without claims the fleet's 4 pool slots are its only limit; with claims
+    the ``video`` lane (``claims_lanes``) lets at most ``CLAIMS_DEMO_LANE_LIMIT`` run at once."""
     record("lane-start", f"job-{job}", self)
     time.sleep(LANE_JOB_S)
     record("lane-end", f"job-{job}", self)
-
-
-@app.task(bind=True, name="demo.lane_runner")  # type: ignore[untyped-decorator]
-def lane_runner(self: Any, deadline_s: float = 30.0) -> int:
-    """Run lane jobs from the lanes Redis store until none is left; return how many it ran.
-
-    Every pool slot of the fleet runs one of these. The lane store decides, fleet-wide,
-    which job may start: never more than the lane's limit at once.
-    """
-    store = RedisTaskClaimStore(url=URL, lanes=[LANE], prefix=NS)
-    ran = 0
-    stop_at = time.monotonic() + deadline_s
-    try:
-        while store.count_unfinished(["render"]) and time.monotonic() < stop_at:
-            claimed = claim_due_for_lane(store, LANE, 30, lambda kind: "video")
-            if not claimed:
-                time.sleep(0.05)
-                continue
-            # one slot runs one job: give back any extra job this call claimed at once
-            (task, lease), *extra = claimed
-            for _, spare in extra:
-                store.retry(spare.task_id, spare.processing_token, next_run_at=utc_now())
-            record("lane-start", f"job-{task.id}", self)
-            time.sleep(LANE_JOB_S)
-            record("lane-end", f"job-{task.id}", self)
-            store.complete(lease.task_id, lease.processing_token)
-            ran += 1
-    finally:
-        store.close()
-    return ran

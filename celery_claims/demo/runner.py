@@ -384,9 +384,8 @@ class DemoReport:
         stats = ", ".join(f"{k} {v}" for k, v in self.store_stats.items())
         lines += [
             f"Claim store counters (with claims): {stats}",
-            "Lane: enforced fleet-wide by the lanes Redis store (celery_claims.lanes), driven "
-            "from Celery tasks;",
-            "  lanes mapped to Celery queues (claims_lanes) are n/a until lanes ship (issue 5).",
+            f"Lane: claims_lanes maps lane 'video' (limit {self.lane_limit}) onto the claims "
+            "queue's demo.lane_job tasks; copies over the limit wait unacked, fleet-wide.",
             f"Stopped {self.stopped} processes: {self._stopped_what()}; "
             f"{self.seconds:.1f} s in all.",
         ]
@@ -591,16 +590,12 @@ class _Run:
         producer.send_task(name, args, task_id=task_id, queue=side)
 
     def _lanes(self, producer: Any) -> None:
-        from celery_claims.demo.app import LANE
-        from celery_claims.lanes.redis import RedisTaskClaimStore
-
         self.tick(f"lane phase: {LANE_JOBS} jobs, lane limit {self.lane_limit}")
-        store = RedisTaskClaimStore(client=self.client, lanes=[LANE], prefix=self.ns)
-        for job in range(LANE_JOBS):
-            store.enqueue(job + 1, "render")
-            self.send(producer, "plain", "demo.lane_job", (job + 1,), f"lane-job-{job + 1}")
-        for slot in range(4):
-            self.send(producer, "claims", "demo.lane_runner", (), f"lane-runner-{slot}")
+        # the same jobs on both sides; on the claims side the 'video' lane (claims_lanes)
+        # holds the ones over the limit unacked until a slot frees, fleet-wide
+        for side in SIDES:
+            for job in range(1, LANE_JOBS + 1):
+                self.send(producer, side, "demo.lane_job", (job,), f"{side}-lane-job-{job}")
 
         def finished() -> bool:
             ends = [e for e in _events(self.client, self.ns) if e["event"] == "lane-end"]
