@@ -38,30 +38,21 @@ __all__ = [
 DEFAULT_FENCE_COLUMN = "fence"
 
 
-@dataclass(frozen=True)
-class TaskClaim:
+@dataclass(frozen=True, slots=True)
+class TaskClaim(ClaimToken):
     """The claim a running task holds, as its own code sees it (``self.request.claim``).
 
-    It is a plain, picklable value: the worker puts it in the request it hands to the pool,
-    so it reaches prefork children as well as thread and solo pools.
+    A :class:`~celery_claims.ClaimToken` (``queue_id``, ``task_id`` as
+    ``<celery task id>:<retries>:<nesting>``, ``owner``, ``instance``, ``created_at``, and
+    ``expires_at`` as of the hand-off to the pool: the worker renews it while the task runs, so
+    the live lease usually ends later) plus the lease each renewal extends to. It is a plain,
+    picklable value: the worker puts it in the request it hands to the pool, so it reaches
+    prefork children as well as thread and solo pools.
 
     Attributes:
-        queue_id: the queue the claim is in.
-        task_id: the claim's task id (``<celery task id>:<retries>:<nesting>``).
-        owner: the execution attempt holding it (``hostname/pid/nonce``).
-        instance: the fencing number: larger for every later claim of the same task.
-        created_at: when the claim was taken (epoch ms, claim store clock).
-        expires_at: the lease's end when the task was handed to the pool (epoch ms); the
-            worker renews it while the task runs, so the live lease usually ends later.
         lease_ms: the lease each renewal extends to.
     """
 
-    queue_id: str
-    task_id: str
-    owner: str
-    instance: int
-    created_at: int
-    expires_at: int
     lease_ms: int
 
     @classmethod
@@ -78,7 +69,7 @@ class TaskClaim:
         )
 
     def token(self) -> ClaimToken:
-        """The claim token (``expires_at`` as of the hand-off to the pool)."""
+        """The plain claim token (``expires_at`` as of the hand-off to the pool)."""
         return ClaimToken(
             self.queue_id, self.task_id, self.owner, self.instance, self.created_at, self.expires_at
         )
@@ -93,9 +84,15 @@ def _instance(instance: object) -> int:
 # --- SQL (SQLAlchemy Core) -------------------------------------------------------------------
 
 
-def _fence(table: Any, fence_column: str) -> Any:
+def _checked(
+    table: Any, key: Mapping[str, Any], instance: object, fence_column: str
+) -> tuple[int, Any]:
+    """The validated instance and the fence column of a fenced SQL write."""
+    number = _instance(instance)
+    if not key:
+        raise InvalidArgument("key", "must name at least one column")
     try:
-        return table.c[fence_column]
+        return number, table.c[fence_column]
     except KeyError:
         raise InvalidArgument(
             "fence_column", f"table {table.name!r} has no column {fence_column!r}"
@@ -134,10 +131,7 @@ def fenced_update(
     """
     from sqlalchemy import and_, update
 
-    number = _instance(instance)
-    if not key:
-        raise InvalidArgument("key", "must name at least one column")
-    fence = _fence(table, fence_column)
+    number, fence = _checked(table, key, instance, fence_column)
     where = and_(*(table.c[column] == value for column, value in key.items()), fence < number)
     stmt = update(table).where(where).values({**values, fence_column: number})
     return int(conn.execute(stmt).rowcount) > 0
@@ -165,10 +159,7 @@ def fenced_upsert(
         InvalidArgument: no key, a bad instance, an unknown fence column, or a database other
             than PostgreSQL and SQLite.
     """
-    number = _instance(instance)
-    if not key:
-        raise InvalidArgument("key", "must name at least one column")
-    fence = _fence(table, fence_column)
+    number, fence = _checked(table, key, instance, fence_column)
     dialect = conn.dialect.name
     insert: Any
     if dialect == "postgresql":
