@@ -138,16 +138,8 @@ class RedisClaimManager:
     ) -> None:
         if (url is None) == (client is None):
             raise InvalidArgument("url", "pass exactly one of url= and client=")
-        self._owns_client = client is None
-        if client is None:
-            if not isinstance(url, str) or not url:
-                raise InvalidArgument("url", f"must be a non-empty str, got {url!r:.80}")
-            client = redis.Redis.from_url(
-                url,
-                socket_connect_timeout=CONNECT_TIMEOUT_S,
-                socket_timeout=SOCKET_TIMEOUT_S,
-                retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), URL_RETRIES),
-            )
+        if client is None and (not isinstance(url, str) or not url):
+            raise InvalidArgument("url", f"must be a non-empty str, got {url!r:.80}")
         if clock is not None and not callable(clock):
             raise InvalidArgument("clock", "must be a callable returning epoch ms, or None")
         require_ms("wait_timeout_ms", wait_timeout_ms)
@@ -157,8 +149,18 @@ class RedisClaimManager:
             raise InvalidArgument("wait_replicas", f"must be 0..64, got {wait_replicas}")
         if wait_replicas and isinstance(client, redis.RedisCluster):
             raise InvalidArgument("wait_replicas", "WAIT is supported on standalone Redis only")
-        self.client: RedisClient = client
         self.prefix = require_prefix(prefix)
+        # every argument is checked before a client is built
+        self._owns_client = client is None
+        if client is None:
+            assert url is not None
+            client = redis.Redis.from_url(
+                url,
+                socket_connect_timeout=CONNECT_TIMEOUT_S,
+                socket_timeout=SOCKET_TIMEOUT_S,
+                retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), URL_RETRIES),
+            )
+        self.client: RedisClient = client
         self._clock = clock
         self._wait = (wait_replicas, wait_timeout_ms)
         self._queues_key = queues_key(self.prefix)
