@@ -1,6 +1,8 @@
 """The app of the Celery overhead benchmark (see ``bench/celery_overhead.py``).
 
-``BENCH_VARIANT`` picks what the tasks run under: ``plain`` (Celery alone), ``claims``
+``BENCH_VARIANT`` picks what the tasks run under: ``plain`` (Celery alone), ``rt1`` (Celery
+plus the least any execution-time claim costs: one blocking round trip of a one-line Lua
+script to the store per message, in the consumer before the pool gets it), ``claims``
 (``celery_claims.install``), ``once`` (celery-once's ``QueueOnce`` base) or ``singleton``
 (celery-singleton's ``Singleton`` base). ``BENCH_URL`` is the Redis used as broker and as
 every plugin's store; ``BENCH_QUEUE`` the queue. No result backend: the benchmark measures
@@ -14,7 +16,26 @@ import os
 import time
 from typing import Any
 
-from celery import Celery
+import redis
+from celery import Celery, bootsteps
+
+
+class OneRoundTrip(bootsteps.StartStopStep):  # type: ignore[misc]
+    """The ``rt1`` reference: one ``EVALSHA`` round trip per message before the pool runs it."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        client = redis.Redis.from_url(c.app.conf.broker_url)
+        script = client.register_script("return 1")
+        inner = c.on_task_request
+
+        def on_task_request(request: Any) -> Any:
+            script(keys=[request.id], args=[])
+            return inner(request)
+
+        c.on_task_request = on_task_request
+        super().__init__(c, **kwargs)
 
 
 def build(variant: str, url: str, queue: str) -> Celery:
@@ -38,7 +59,9 @@ def build(variant: str, url: str, queue: str) -> Celery:
         claims_renew_interval_ms=15_000,
     )
     base: Any = None
-    if variant == "claims":
+    if variant == "rt1":
+        app.steps["consumer"].add(OneRoundTrip)
+    elif variant == "claims":
         from celery_claims.worker import install
 
         install(app)

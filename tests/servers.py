@@ -133,9 +133,9 @@ class RedisServer:
 
 @contextlib.contextmanager
 def redis_server(extra_args: Sequence[str] = ()) -> Iterator[RedisServer]:
-    server = RedisServer(extra_args).start()
+    server = RedisServer(extra_args)
     try:
-        yield server
+        yield server.start()
     finally:
         server.cleanup()
 

@@ -9,6 +9,7 @@ hash tag nor collide with another queue's keys (the escape is injective).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from celery_claims.errors import InvalidArgument
 
@@ -39,58 +40,58 @@ def queues_key(prefix: str) -> str:
     return f"{prefix}:queues"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class QueueKeys:
-    """The keys of one queue."""
+    """The keys of one queue (each name is built once, on first use)."""
 
     prefix: str
     queue_id: str
 
-    @property
+    @cached_property
     def tag(self) -> str:
         return f"{self.prefix}:{{{escape(self.queue_id)}}}"
 
-    @property
+    @cached_property
     def claims(self) -> str:
         """Hash: task id -> ``instance:created_at:expires_at:owner``."""
         return f"{self.tag}:c"
 
-    @property
+    @cached_property
     def expiries(self) -> str:
         """Sorted set: task id scored by ``expires_at`` (counting, listing, cleanup)."""
         return f"{self.tag}:e"
 
-    @property
+    @cached_property
     def counter(self) -> str:
         """String: the queue's last issued instance (the fencing counter)."""
         return f"{self.tag}:n"
 
-    @property
+    @cached_property
     def stats(self) -> str:
         """Hash: the queue's counters."""
         return f"{self.tag}:s"
 
-    @property
+    @cached_property
     def done(self) -> str:
         """Hash: task id -> completion record ``instance:done_at:until:owner``."""
         return f"{self.tag}:d"
 
-    @property
+    @cached_property
     def done_expiries(self) -> str:
         """Sorted set: task id scored by the end of its completion record's retention."""
         return f"{self.tag}:x"
 
-    @property
+    @cached_property
     def claim_keys(self) -> list[str]:
         """KEYS of claim.lua."""
         return [self.claims, self.expiries, self.counter, self.stats, self.done]
 
-    @property
+    @cached_property
     def release_keys(self) -> list[str]:
         """KEYS of release.lua."""
         return [self.claims, self.expiries, self.stats, self.done, self.done_expiries]
 
-    @property
+    @cached_property
     def cleanup_keys(self) -> list[str]:
         """KEYS of cleanup.lua."""
         return [self.claims, self.expiries, self.stats, self.done, self.done_expiries]

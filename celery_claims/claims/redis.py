@@ -9,10 +9,12 @@ agrees on it whatever its own clock says; a ``clock=`` callable sends the caller
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from functools import cache
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache, partial
 from importlib import resources
-from typing import Any, TypeAlias, TypeVar
+from types import MappingProxyType
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import redis
 import redis.exceptions as redis_errors
@@ -49,7 +51,7 @@ from celery_claims.validation import (
     require_tokens,
 )
 
-__all__ = ["RedisClaimManager", "RedisClient"]
+__all__ = ["RedisClaimManager", "RedisClient", "ScriptCall"]
 
 _T = TypeVar("_T")
 
@@ -68,6 +70,9 @@ URL_RETRIES = 2
 
 #: Expired claims removed per script call by ``cleanup_expired``; bounds each call's run time.
 CLEANUP_BATCH = 500
+
+#: Queues whose key names a manager keeps built (a worker has a handful).
+_QUEUE_KEYS_CACHED = 1024
 
 _SCRIPTS = ("claim", "release", "extend", "renew", "peek", "list", "cleanup", "done")
 
@@ -103,6 +108,27 @@ def translate_errors() -> Iterator[None]:
 
 def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptCall(Generic[_T]):
+    """One script call, checked and built but not sent.
+
+    :meth:`RedisClaimManager.execute` sends it and waits; the worker's event loop sends it
+    without waiting (``celery_claims.worker.pipe``). Either way the reply goes through
+    ``decode``, which returns the result or raises the package's error for it.
+
+    Attributes:
+        script: the registered script (``sha`` for ``EVALSHA``, ``script`` for ``EVAL``).
+        keys: the script's ``KEYS``.
+        args: the script's ``ARGV``.
+        decode: maps the raw reply (bytes or str) to the result.
+    """
+
+    script: Script
+    keys: list[str]
+    args: list[Any]
+    decode: Callable[[Any], _T]
 
 
 class RedisClaimManager:
@@ -165,6 +191,7 @@ class RedisClaimManager:
         self._wait = (wait_replicas, wait_timeout_ms)
         self._queues_key = queues_key(self.prefix)
         self._known_queues: set[str] = set()
+        self._queue_keys: dict[str, QueueKeys] = {}
         self._scripts: dict[str, Script] = {
             name: client.register_script(_source(name)) for name in _SCRIPTS
         }
@@ -179,6 +206,16 @@ class RedisClaimManager:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    @property
+    def scripts(self) -> Mapping[str, Script]:
+        """The registered scripts by operation name (``claim``, ``release``, ...)."""
+        return MappingProxyType(self._scripts)
+
+    @property
+    def waits_for_replicas(self) -> bool:
+        """True if each write waits for replicas (``wait_replicas`` > 0)."""
+        return self._wait[0] > 0
 
     def _now(self) -> str:
         return "" if self._clock is None else str(int(self._clock()))
@@ -208,7 +245,13 @@ class RedisClaimManager:
 
     def keys(self, queue_id: str) -> QueueKeys:
         """The key names of ``queue_id`` (for operators and tests)."""
-        return QueueKeys(self.prefix, require_id("queue_id", queue_id))
+        keys = self._queue_keys.get(queue_id) if isinstance(queue_id, str) else None
+        if keys is None:
+            keys = QueueKeys(self.prefix, require_id("queue_id", queue_id))
+            if len(self._queue_keys) >= _QUEUE_KEYS_CACHED:
+                self._queue_keys.clear()
+            self._queue_keys[queue_id] = keys
+        return keys
 
     # --- the original API -----------------------------------------------------------------
 
@@ -221,36 +264,62 @@ class RedisClaimManager:
     def _claim(
         self, queue_id: str, task_id: str, owner: str, lease_ms: int, *, honour_done: bool
     ) -> GateResult:
+        result = self.execute(self.claim_call(queue_id, task_id, owner, lease_ms, honour_done))
+        # a refusal wrote only counters: nothing worth waiting for
+        return self._replicated(result) if result.acquired else result
+
+    def claim_call(
+        self, queue_id: str, task_id: str, owner: str, lease_ms: int, honour_done: bool = True
+    ) -> ScriptCall[GateResult]:
+        """The checked, unsent call of :meth:`claim_unless_done` (or of :meth:`claim`).
+
+        Registers the queue first (one round trip, once per queue and process).
+
+        Raises:
+            InvalidArgument: as :meth:`claim`.
+            BackendUnavailable: the queue could not be registered.
+        """
         keys = self.keys(queue_id)
         require_id("task_id", task_id)
         require_id("owner", owner)
         require_ms("lease_ms", lease_ms)
         self._register(queue_id)
-        reply = self._run(
-            "claim",
+        return ScriptCall(
+            self._scripts["claim"],
             keys.claim_keys,
             [task_id, owner, lease_ms, self._now(), "1" if honour_done else "0"],
+            partial(_gate_result, queue_id=queue_id, task_id=task_id, owner=owner),
         )
-        result = _gate_result(reply, queue_id, task_id, owner)
-        # a refusal wrote only counters: nothing worth waiting for
-        return self._replicated(result) if result.acquired else result
+
+    def execute(self, call: ScriptCall[_T]) -> _T:
+        """Send ``call``, wait for its reply and decode it (one round trip).
+
+        Raises:
+            BackendUnavailable: the store could not be reached.
+            BackendError: any other store error.
+            ClaimTokenError: the call's own refusal (see its operation).
+        """
+        with translate_errors():
+            reply = call.script(keys=call.keys, args=call.args)
+        return call.decode(reply)
 
     def release(self, token: ClaimToken) -> None:
         """See :meth:`celery_claims.ClaimManager.release`."""
         self._release(token, "")
 
     def _release(self, token: ClaimToken, done_ttl: str) -> None:
+        self.execute(self._release_call(token, done_ttl))
+        self._replicated(None)
+
+    def _release_call(self, token: ClaimToken, done_ttl: str) -> ScriptCall[None]:
         require_token(token)
         keys = self.keys(token.queue_id)
-        reply = self._run(
-            "release",
+        return ScriptCall(
+            self._scripts["release"],
             keys.release_keys,
             [token.task_id, token.owner, token.instance, done_ttl, self._now()],
+            partial(_release_result, token=token),
         )
-        status = int(reply[0])
-        if status != ClaimStatus.SUCCESS:
-            raise token_error(status, token)
-        self._replicated(None)
 
     def extend(self, queue_id: str, token: ClaimToken, additional_ms: int) -> ClaimToken:
         """See :meth:`celery_claims.ClaimManager.extend`."""
@@ -366,8 +435,17 @@ class RedisClaimManager:
 
     def complete(self, token: ClaimToken, done_ttl_ms: int) -> None:
         """See :meth:`celery_claims.ClaimManager.complete`."""
+        self.execute(self.complete_call(token, done_ttl_ms))
+        self._replicated(None)
+
+    def complete_call(self, token: ClaimToken, done_ttl_ms: int) -> ScriptCall[None]:
+        """The checked, unsent call of :meth:`complete`.
+
+        Raises:
+            InvalidArgument: as :meth:`complete`.
+        """
         require_ms("done_ttl_ms", done_ttl_ms)
-        self._release(token, str(done_ttl_ms))
+        return self._release_call(token, str(done_ttl_ms))
 
     def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | None:
         """See :meth:`celery_claims.ClaimManager.done_record`."""
@@ -408,6 +486,12 @@ class RedisClaimManager:
             else:
                 results.append(token_error(int(status), token))
         return self._replicated(results)
+
+
+def _release_result(reply: Any, token: ClaimToken) -> None:
+    status = int(reply[0])
+    if status != ClaimStatus.SUCCESS:
+        raise token_error(status, token)
 
 
 def _gate_result(reply: Any, queue_id: str, task_id: str, owner: str) -> GateResult:

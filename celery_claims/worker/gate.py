@@ -20,7 +20,10 @@ wrapper survives connection restarts. Outcomes:
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from celery import bootsteps
@@ -35,6 +38,7 @@ from celery_claims.worker import signals
 from celery_claims.worker.guard import REQUEST_KEY, StaleCopy
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
 from celery_claims.worker.keeper import ActiveClaim, ClaimsRuntime, Delivery, HeldCopy
+from celery_claims.worker.pipe import StorePipe
 from celery_claims.worker.settings import ClaimsSettings
 
 __all__ = ["ClaimGate", "Gate", "check_task_policies", "is_exempt"]
@@ -84,6 +88,18 @@ def _unwrap(exc: BaseException | None) -> BaseException | None:
     return exc
 
 
+@dataclass(eq=False, slots=True)
+class _Admission:
+    """One claim attempt of a delivery, waiting for the store's answer."""
+
+    request: Any
+    owner: str
+    held: HeldCopy | None
+    queue_id: str
+    claim_id: str
+    lease_ms: int
+
+
 class ClaimGate:
     """Claims each request before the pool runs it (see the module docstring).
 
@@ -101,6 +117,10 @@ class ClaimGate:
         self.queues = QueueResolver(consumer.app)
         self._leases: dict[str, int] = {}
         self.lanes = runtime.lanes
+        self._loop_thread = -1
+        self._pipe: StorePipe | None = None
+        self._pipe_checked = False
+        self._stopping = False
         if self.lanes is not None:
             self.lanes.bind(consumer, self._dispatch)
         runtime.on_waiting_lost = self._waiting_lost
@@ -111,18 +131,35 @@ class ClaimGate:
         """The wrapped ``on_task_request``."""
         if is_exempt(request.task, request.name):
             return self.inner(request)
-        owner = new_owner(self.runtime.hostname)
-        try:
-            self._admit(request, owner=owner, held=None)
-        except Exception as exc:
-            if isinstance(getattr(request, "claim", None), ActiveClaim):
-                raise  # raised by the pool hand-off itself: Celery's own error handling applies
-            # a bug must neither run the task unclaimed nor drop it: hold it and try again;
-            # if even that fails the message stays unacked and the broker redelivers it
-            logger.exception("Claim gate failed on %s[%s]", request.name, request.id)
-            with contextlib.suppress(Exception):
-                self._hold(request, owner, None, "unavailable", request.id, None, exc)
+        self._loop_thread = threading.get_ident()
+        self._admit(request, owner=new_owner(self.runtime.hostname), held=None)
         return None
+
+    @property
+    def store_pipe(self) -> StorePipe | None:
+        """The consumer's claim store pipe once the first request made it (None before, or
+        where the store needs the blocking client)."""
+        return self._pipe
+
+    def pipe(self) -> StorePipe | None:
+        """The consumer's claim store pipe, when the caller may use it (else None).
+
+        Only the consumer's thread, while the consumer runs, uses the pipe; a thread pool's
+        callbacks and a worker shutting down use the manager's blocking client.
+        """
+        if self._stopping or threading.get_ident() != self._loop_thread:
+            return None
+        if self._pipe is None and not self._pipe_checked:
+            self._pipe_checked = True
+            # the hub's timer runs on this thread; without an event loop (gevent, eventlet)
+            # the worker's timer is a thread of its own, and the blocking client is used
+            hub = getattr(self.consumer, "hub", None)
+            self._pipe = StorePipe.for_manager(
+                self.runtime.manager,
+                getattr(hub, "timer", None),
+                timeout_s=self.settings.socket_timeout_ms / 1000,
+            )
+        return self._pipe
 
     def _lease_ms(self, request: Any) -> int:
         name = request.name
@@ -141,32 +178,64 @@ class ClaimGate:
         return lease
 
     def _admit(self, request: Any, *, owner: str, held: HeldCopy | None) -> None:
-        queue_id = self.queues.queue_of(request.delivery_info)
-        attempt = attempt_of(request.request_dict)
-        task_key = claim_task_id(request.id, attempt)
-        claim_id = f"{queue_id}/{task_key}"
-        lease_ms = self._lease_ms(request)
+        """Claim ``request`` (one round trip) and act on the outcome."""
         try:
-            result = self.runtime.manager.claim_unless_done(queue_id, task_key, owner, lease_ms)
+            queue_id = self.queues.queue_of(request.delivery_info)
+            task_key = claim_task_id(request.id, attempt_of(request.request_dict))
+            admission = _Admission(
+                request, owner, held, queue_id, f"{queue_id}/{task_key}", self._lease_ms(request)
+            )
+            call = self.runtime.manager.claim_call(
+                queue_id, task_key, owner, admission.lease_ms, honour_done=True
+            )
         except BackendUnavailable as exc:
-            self._hold(request, owner, held, "unavailable", claim_id, None, exc)
+            self._hold(request, owner, held, "unavailable", request.id, None, exc)
             return
-        except ClaimError as exc:
-            # an unexpected store reply: never run unclaimed, never drop; retry like an outage
-            logger.exception("Claim %s: claim store error", claim_id)
-            self._hold(request, owner, held, "unavailable", claim_id, None, exc)
+        except Exception as exc:
+            # a bug must neither run the task unclaimed nor drop it: hold it and try again;
+            # if even that fails the message stays unacked and the broker redelivers it
+            logger.exception("Claim gate failed on %s[%s]", request.name, request.id)
+            with contextlib.suppress(Exception):
+                self._hold(request, owner, held, "unavailable", request.id, None, exc)
             return
+        pipe = self.pipe()
+        if pipe is not None:
+            outcome: Any = pipe.call(call)
+        else:
+            try:
+                outcome = self.runtime.manager.execute(call)
+            except ClaimError as exc:
+                outcome = exc
+        self._decide(admission, outcome)
 
-        if isinstance(result, (Success, TookOver)):
-            self._release_hold(held)
-            self._run(request, result, lease_ms, claim_id, queue_id)
-        elif isinstance(result, AlreadyDone):
-            self._release_hold(held)
-            self._skip_done(request, result, claim_id)
-        elif isinstance(result, AlreadyClaimed):
-            self._hold(request, owner, held, "held", claim_id, result.owner, None)
-        else:  # pragma: no cover - the result union is closed
-            raise AssertionError(f"unexpected claim result {result!r}")
+    def _decide(self, admission: _Admission, outcome: Any) -> None:
+        request, owner, held = admission.request, admission.owner, admission.held
+        claim_id = admission.claim_id
+        try:
+            if isinstance(outcome, (Success, TookOver)):
+                self._release_hold(held)
+                self._run(request, outcome, admission.lease_ms, claim_id, admission.queue_id)
+            elif isinstance(outcome, AlreadyDone):
+                self._release_hold(held)
+                self._skip_done(request, outcome, claim_id)
+            elif isinstance(outcome, AlreadyClaimed):
+                self._hold(request, owner, held, "held", claim_id, outcome.owner, None)
+            elif isinstance(outcome, BackendUnavailable):
+                self._hold(request, owner, held, "unavailable", claim_id, None, outcome)
+            elif isinstance(outcome, ClaimError):
+                # an unexpected store reply: never run unclaimed, never drop; retry later
+                logger.error("Claim %s: claim store error: %s", claim_id, outcome)
+                self._hold(request, owner, held, "unavailable", claim_id, None, outcome)
+            else:  # pragma: no cover - the outcome union is closed
+                raise AssertionError(f"unexpected claim outcome {outcome!r}")
+        except Exception as exc:
+            if isinstance(getattr(request, "claim", None), ActiveClaim):
+                raise  # raised by the pool hand-off itself: Celery's own handling applies
+            # a bug must neither run the task unclaimed nor drop it: hold it and try again;
+            # if even that fails the message stays unacked and the broker redelivers it
+            logger.exception("Claim gate failed on %s[%s]", request.name, request.id)
+            with contextlib.suppress(Exception):
+                self._hold(request, owner, held, "unavailable", claim_id, None, exc)
 
     # --- acquired ---------------------------------------------------------------------------
 
@@ -222,10 +291,22 @@ class ClaimGate:
         execute_using_pool = request.execute_using_pool
 
         def claims_on_success(failed__retval__runtime: Any, **kwargs: Any) -> Any:
-            if not failed__retval__runtime[0]:
+            if failed__retval__runtime[0]:
+                # a failed trace goes on to request.on_failure, which is wrapped too
+                return on_success(failed__retval__runtime, **kwargs)
+            pipe = self.pipe()
+            if pipe is None:
                 _guard(finish, claim, done=True, why="succeeded")
-            # a failed trace goes on to request.on_failure, which is wrapped too
-            return on_success(failed__retval__runtime, **kwargs)
+                return on_success(failed__retval__runtime, **kwargs)
+            # recorded done from the event loop; Celery's handler (the ack) runs once the
+            # record is written, as it does after a blocking call
+            self.runtime.finish_async(
+                claim,
+                pipe,
+                why="succeeded",
+                then=functools.partial(on_success, failed__retval__runtime, **kwargs),
+            )
+            return None
 
         def claims_on_failure(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
             exc = _unwrap(getattr(exc_info, "exception", None))
@@ -360,14 +441,7 @@ class ClaimGate:
     def _recheck(self, held: HeldCopy) -> None:
         if held not in self.runtime.held_copies():
             return  # dropped by a connection restart: the broker redelivers it
-        try:
-            self._admit(held.request, owner=held.owner, held=held)
-        except Exception:
-            # never lose the copy to a bug: keep holding and try again later
-            logger.exception("Claim gate re-check of %s failed", held.request.id)
-            held.timer_entry = self.consumer.timer.call_after(
-                self.settings.held_recheck_ms / 1000, self._recheck, (held,), priority=6
-            )
+        self._admit(held.request, owner=held.owner, held=held)
 
     def _release_hold(self, held: HeldCopy | None) -> None:
         if held is not None and self.runtime.unhold(held):
@@ -400,14 +474,13 @@ class ClaimGate:
             # back to Celery's own callbacks; the next claim wraps them again
             request.__dict__.pop(name, None)
         request.request_dict.pop(REQUEST_KEY, None)
-        try:
-            self._admit(request, owner=new_owner(self.runtime.hostname), held=None)
-        except Exception as exc:
-            logger.exception("Claim gate failed on %s[%s]", request.name, request.id)
-            with contextlib.suppress(Exception):
-                self._hold(request, claim.token.owner, None, "unavailable", request.id, None, exc)
+        self._admit(request, owner=new_owner(self.runtime.hostname), held=None)
 
     # --- connection restarts and shutdown ---------------------------------------------------
+
+    def resume(self) -> None:
+        """The consumer (re)started: use the event loop's pipe again."""
+        self._stopping = False
 
     def drop_connection_state(self) -> None:
         """Forget what belongs to the closing connection (reentrant, no logging).
@@ -418,6 +491,11 @@ class ClaimGate:
         copies do not wait for a lease nobody will finish.
         """
         runtime = self.runtime
+        self._stopping = True
+        if self._pipe is not None:
+            # completions already sent are accounted for before the state goes
+            with contextlib.suppress(Exception):
+                self._pipe.drain()
         if self.lanes is not None:
             # waiting messages never reached the pool: their claims are released below
             self.lanes.drop_all()
@@ -472,7 +550,8 @@ class Gate(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
         super().__init__(c, **kwargs)
 
     def start(self, c: Any) -> None:
-        pass
+        if self.gate is not None:
+            self.gate.resume()
 
     def stop(self, c: Any) -> None:
         if self.gate is not None:

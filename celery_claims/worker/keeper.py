@@ -15,12 +15,13 @@ exactly while a long task needs its lease renewed. Each beat it:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from celery_claims.safety import check_settings
 from celery_claims.worker import signals
 from celery_claims.worker.guard import guard_tasks
 from celery_claims.worker.lanes import WorkerLanes
+from celery_claims.worker.pipe import StorePipe
 from celery_claims.worker.settings import WORKER_OPTION_NAMES, ClaimsSettings, load_settings
 from celery_claims.worker.signals import Counters
 
@@ -247,9 +249,36 @@ class ClaimsRuntime:
             done: record completion (success, retry, replace) rather than release.
             why: what ended the attempt, for the log.
         """
+        if not self._ending(claim, done=done, why=why):
+            return
+        if done:
+            self._complete(claim, why)
+        else:
+            self._release(claim, why)
+
+    def finish_async(
+        self, claim: ActiveClaim, pipe: StorePipe, *, why: str, then: Callable[[], object]
+    ) -> None:
+        """Record ``claim`` done through the consumer's ``pipe``, then call ``then``.
+
+        :meth:`finish` with ``done=True``, without waiting for the reply: the call is on the
+        store's socket before ``then`` (Celery's own success handler, which acks) runs, and
+        its reply is accounted for when it is read. A completion the store could not take is
+        retried from the keeper, as after a failed blocking call. Consumer thread only.
+        """
+        if self._ending(claim, done=True, why=why):
+            call = self.manager.complete_call(claim.token, self.settings.done_ttl_ms)
+            try:
+                pipe.submit(call, functools.partial(self._completed, claim, why))
+            except BackendUnavailable as exc:
+                self._completed(claim, why, exc)
+        then()
+
+    def _ending(self, claim: ActiveClaim, *, done: bool, why: str) -> bool:
+        """Mark ``claim`` finished; True if its completion or release is to be written."""
         with claim.lock:
             if claim.finished:
-                return
+                return False
             claim.finished = True
         slot = claim.lane_slot
         if slot is not None and self.lanes is not None:
@@ -266,33 +295,34 @@ class ClaimsRuntime:
                     claim.claim_id,
                     why,
                 )
-            return
-        if done:
-            self._complete(claim, why)
-        else:
-            self._release(claim, why)
+            return False
+        return True
 
     def _complete(self, claim: ActiveClaim, why: str) -> None:
+        outcome: ClaimError | None = None
         try:
             self.manager.complete(claim.token, self.settings.done_ttl_ms)
-        except BackendUnavailable as exc:
+        except ClaimError as exc:
+            outcome = exc
+        self._completed(claim, why, outcome)
+
+    def _completed(self, claim: ActiveClaim, why: str, outcome: object) -> None:
+        """Account for a ``complete`` call's outcome (``None`` or its error)."""
+        if isinstance(outcome, BackendUnavailable):
             # keep renewing it and retry from the keeper: the attempt is done, and a duplicate
             # copy must not take the claim over while the record cannot be written
             claim.completing = True
             self.counters.incr("completion_deferred")
-            logger.warning("Claim %s: %s, completion deferred: %s", claim.claim_id, why, exc)
-            return
-        except ClaimTokenError as exc:
-            self.untrack(claim)
-            self._lost(claim, exc)
-            return
-        except ClaimError:
-            self.untrack(claim)
-            logger.exception("Claim %s: could not record completion", claim.claim_id)
+            logger.warning("Claim %s: %s, completion deferred: %s", claim.claim_id, why, outcome)
             return
         self.untrack(claim)
-        self.counters.incr("completed")
-        logger.debug("Claim %s: %s, recorded done", claim.claim_id, why)
+        if isinstance(outcome, ClaimTokenError):
+            self._lost(claim, outcome)
+        elif isinstance(outcome, ClaimError):
+            logger.error("Claim %s: could not record completion: %s", claim.claim_id, outcome)
+        else:
+            self.counters.incr("completed")
+            logger.debug("Claim %s: %s, recorded done", claim.claim_id, why)
 
     def _release(self, claim: ActiveClaim, why: str) -> None:
         self.untrack(claim)
