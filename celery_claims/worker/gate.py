@@ -493,9 +493,11 @@ class ClaimGate:
         runtime = self.runtime
         self._stopping = True
         if self._pipe is not None:
-            # completions already sent are accounted for before the state goes
+            # completions already sent are accounted for before the state goes; the socket
+            # is closed (a restarted consumer connects again on its first message)
             with contextlib.suppress(Exception):
                 self._pipe.drain()
+            self._pipe.close()
         if self.lanes is not None:
             # waiting messages never reached the pool: their claims are released below
             self.lanes.drop_all()
