@@ -114,13 +114,13 @@ def _text(value: Any) -> str:
 class ScriptCall(Generic[_T]):
     """One script call, checked and built but not sent.
 
-    :meth:`RedisClaimManager.execute` sends it and waits; the worker's event loop sends it
-    without waiting (``celery_claims.worker.pipe``). Either way the reply goes through
-    ``decode``, which returns the result or raises the package's error for it.
+    :meth:`RedisClaimManager.execute` sends it through the manager's client; a worker's
+    consumer sends it on its own connection (``celery_claims.worker.pipe``). Either way the
+    reply goes through ``decode``, which returns the result or raises the package's error.
 
     Attributes:
         script: the registered script (``sha`` for ``EVALSHA``, ``script`` for ``EVAL``).
-        keys: the script's ``KEYS``.
+        keys: the script's ``KEYS`` (shared by every call on the queue: never mutate it).
         args: the script's ``ARGV``.
         decode: maps the raw reply (bytes or str) to the result.
     """

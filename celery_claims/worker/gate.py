@@ -298,8 +298,8 @@ class ClaimGate:
             if pipe is None:
                 _guard(finish, claim, done=True, why="succeeded")
                 return on_success(failed__retval__runtime, **kwargs)
-            # recorded done from the event loop; Celery's handler (the ack) runs once the
-            # record is written, as it does after a blocking call
+            # the completion is written to the store before Celery's handler acks; its reply is
+            # read later (docs/celery.md, "The consumer's store connection")
             self.runtime.finish_async(
                 claim,
                 pipe,

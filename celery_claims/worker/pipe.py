@@ -279,7 +279,8 @@ class StorePipe:
             return exc
         while not box and self._sock is not None:
             self._read(wait=True)
-        return box[0]
+        # a dropped connection fails every waiting call, this one included
+        return box[0] if box else BackendUnavailable("claim store connection lost")
 
     def submit(self, call: ScriptCall[Any], callback: Callable[[Outcome], None]) -> None:
         """Send ``call`` without waiting; ``callback`` later gets its decoded result or error.
