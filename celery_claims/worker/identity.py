@@ -14,9 +14,10 @@ must never share an owner.
 
 from __future__ import annotations
 
+import itertools
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,8 +63,27 @@ def claim_task_id(task_id: str, attempt: Attempt) -> str:
 
 
 def new_owner(hostname: str) -> str:
-    """A fresh owner string for one delivery in this process: ``hostname/pid/nonce``."""
-    return f"{hostname}/{os.getpid()}/{uuid.uuid4().hex[:12]}"
+    """A fresh owner string for one delivery in this process: ``hostname/pid/nonce``.
+
+    The nonce is random per process (drawn again in a forked child) followed by a counter, so
+    no two deliveries share an owner, even across restarts that reuse a pid.
+    """
+    return f"{hostname}/{os.getpid()}/{_nonce[0]}{next(_nonce[1]):x}"
+
+
+def _fresh_nonce() -> tuple[str, Iterator[int]]:
+    return uuid.uuid4().hex[:8], itertools.count()
+
+
+_nonce = _fresh_nonce()
+
+
+def _reset_nonce() -> None:
+    global _nonce
+    _nonce = _fresh_nonce()
+
+
+os.register_at_fork(after_in_child=_reset_nonce)
 
 
 class QueueResolver:

@@ -24,6 +24,7 @@ client. A pipe belongs to one thread (the consumer's).
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import time
 from collections import deque
@@ -223,6 +224,7 @@ class StorePipe:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self._sock: socket.socket | None = None
+        self._poller = select.poll()
         self._reader = RespReader()
         self._pending: deque[_Pending] = deque()
         self._timer_entry: Any = None
@@ -342,6 +344,10 @@ class StorePipe:
         except BaseException:
             sock.close()
             raise
+        # non-blocking from here: a socket with a timeout polls before every send and recv
+        sock.setblocking(False)
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
         self._sock = sock
         self._reader = RespReader()
         return sock
@@ -391,7 +397,27 @@ class StorePipe:
 
     def _send(self, sock: socket.socket, data: bytes) -> None:
         try:
-            sock.sendall(data)
+            sent = sock.send(data)
+            if sent < len(data):
+                # the socket buffer is full (a store that stopped reading): wait for room
+                self._send_rest(sock, memoryview(data)[sent:])
+        except BlockingIOError:
+            self._send_rest(sock, memoryview(data))
+        except OSError as exc:
+            self._broken(exc)
+
+    def _send_rest(self, sock: socket.socket, rest: memoryview) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            writable = select.poll()
+            writable.register(sock, select.POLLOUT)
+            while rest:
+                if not writable.poll(max(deadline - time.monotonic(), 0) * 1000):
+                    raise TimeoutError(f"could not send in {self.timeout_s:.1f} s")
+                try:
+                    rest = rest[sock.send(rest) :]
+                except BlockingIOError:
+                    continue
         except OSError as exc:
             self._broken(exc)
 
@@ -400,22 +426,18 @@ class StorePipe:
         if sock is None:
             return
         try:
-            if not wait:
-                sock.settimeout(0.0)  # a socket with a timeout would wait in poll() first
+            if wait and not self._poller.poll(self.timeout_s * 1000):
+                raise TimeoutError(f"no reply in {self.timeout_s:.1f} s")
             try:
-                data = sock.recv(_READ_SIZE)
-                while data:
+                while True:
+                    data = sock.recv(_READ_SIZE)
+                    if not data:
+                        raise ConnectionError("connection closed by the store")
                     self._reader.feed(data)
                     if len(data) < _READ_SIZE:
                         break
-                    sock.settimeout(0.0)
-                    data = sock.recv(_READ_SIZE)
-                else:
-                    raise ConnectionError("connection closed by the store")
             except BlockingIOError:
                 pass
-            finally:
-                sock.settimeout(self.timeout_s)
         except OSError as exc:  # a timeout included
             self._broken(exc)
             return
