@@ -102,36 +102,52 @@ class RespReader:
         return value
 
     def _parse(self, pos: int) -> tuple[Any, int]:
+        # iterative: a reply is parsed in one call, whatever its nesting
         buf = self._buf
-        end = buf.find(_CRLF, pos)
-        if end < 0:
-            raise _Incomplete
-        kind = buf[pos]
-        line = bytes(buf[pos + 1 : end])
-        pos = end + 2
-        if kind == 0x2B:  # +
-            return line, pos
-        if kind == 0x2D:  # -
-            return ReplyError(line.decode("utf-8", "replace")), pos
-        if kind == 0x3A:  # :
-            return int(line), pos
-        if kind == 0x24:  # $
-            size = int(line)
-            if size < 0:
-                return None, pos
-            if len(buf) < pos + size + 2:
+        open_arrays: list[tuple[list[Any], int]] = []  # (items so far, items expected)
+        while True:
+            end = buf.find(_CRLF, pos)
+            if end < 0:
                 raise _Incomplete
-            return bytes(buf[pos : pos + size]), pos + size + 2
-        if kind == 0x2A:  # *
-            count = int(line)
-            if count < 0:
-                return None, pos
-            items = []
-            for _ in range(count):
-                item, pos = self._parse(pos)
-                items.append(item)
-            return items, pos
-        raise redis.exceptions.InvalidResponse(f"unexpected reply type {chr(kind)!r}")
+            kind = buf[pos]
+            value: Any
+            if kind == 0x24:  # $ bulk string
+                size = int(buf[pos + 1 : end])
+                pos = end + 2
+                if size < 0:
+                    value = None
+                else:
+                    if len(buf) < pos + size + 2:
+                        raise _Incomplete
+                    value = bytes(buf[pos : pos + size])
+                    pos += size + 2
+            elif kind == 0x3A:  # : integer
+                value = int(buf[pos + 1 : end])
+                pos = end + 2
+            elif kind == 0x2A:  # * array
+                count = int(buf[pos + 1 : end])
+                pos = end + 2
+                if count > 0:
+                    open_arrays.append(([], count))
+                    continue
+                value = None if count < 0 else []
+            elif kind == 0x2B:  # + simple string
+                value = bytes(buf[pos + 1 : end])
+                pos = end + 2
+            elif kind == 0x2D:  # - error
+                value = ReplyError(bytes(buf[pos + 1 : end]).decode("utf-8", "replace"))
+                pos = end + 2
+            else:
+                raise redis.exceptions.InvalidResponse(f"unexpected reply type {chr(kind)!r}")
+            while open_arrays:
+                items, expected = open_arrays[-1]
+                items.append(value)
+                if len(items) < expected:
+                    break
+                open_arrays.pop()
+                value = items
+            else:
+                return value, pos
 
 
 def encode_command(parts: Sequence[Any]) -> bytes:
