@@ -1,15 +1,16 @@
 """What celery-claims costs a Celery fleet: plain Celery vs claims vs celery-once/singleton.
 
-Run it as ``python bench/celery_overhead.py`` (``--quick`` for a smoke run). It starts its own
-``redis-server`` on a free port (broker and every plugin's store), then, for each round, each
-pool (prefork ``-c 2`` and solo), each variant (plain Celery, celery-claims, celery-once,
-celery-singleton; in a rotated order per round) starts one real ``celery worker``, publishes a
-warm-up batch, then measures two batches: N no-op tasks and N tasks of 10 ms. A batch is timed
-from its first publish until the queue and kombu's unacked set are both empty (every task
-acked; ``task_acks_late`` for all variants), so the producer-side work of celery-once and
-celery-singleton (their lock is taken when a task is sent) counts too. Each variant's time is
-reported as a ratio to plain Celery's time in the same round. Needs ``celery-once`` and
-``celery-singleton`` (``pip install -e .[bench]``).
+Run it as ``python bench/celery_overhead.py`` (``--quick`` for a smoke run). It starts its
+own ``redis-server`` on a free port (broker and every plugin's store), then, for each pool
+(prefork ``-c 2`` and solo), starts one real ``celery worker`` per variant (plain Celery, the
+one-round-trip reference ``rt1``, celery-claims, celery-once, celery-singleton), each on its
+own queue, and warms each up. Each round then measures, for each kind of task (N no-op
+tasks, then N tasks of 10 ms), one batch per variant back to back, in a rotated order per
+round. A batch is timed from its first publish until the queue and kombu's unacked set are
+both empty (every task acked; ``task_acks_late`` for all variants), so the producer-side work
+of celery-once and celery-singleton (their lock is taken when a task is sent) counts too.
+Each variant's time is reported as a ratio to plain Celery's time in the same round. Needs
+``celery-once`` and ``celery-singleton`` (``pip install -e .[bench]``).
 """
 
 from __future__ import annotations
@@ -120,37 +121,48 @@ def main() -> None:
     ratios: dict[tuple[str, str, str], list[float]] = {}
     with private_redis() as url:
         client = redis.Redis.from_url(url)
-        for rnd in range(rounds):
-            # rotate the order so no variant always runs first (or on a warmer machine)
-            order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
-            for pool in pools:
-                measured: dict[tuple[str, str], float] = {}
-                for variant in order:
-                    queue = f"bench-{variant}-{pool}-{rnd}"
-                    log = logs / f"{queue}.log"
-                    proc = start_worker(url, variant, pool, queue, log)
-                    try:
-                        wait_ready(client, url, variant, queue, log)
-                        run_batch(client, url, variant, queue, "bench.noop", warmup, log=log)
-                        for kind, task in KINDS:
-                            took = run_batch(client, url, variant, queue, task, tasks, log=log)
-                            measured[(variant, kind)] = took
-                            times.setdefault((pool, kind, variant), []).append(took)
-                    finally:
-                        stop(proc)
-                        app = _producers.pop((variant, queue), None)
-                        if app is not None:
-                            app.close()  # type: ignore[attr-defined]
+        for pool in pools:
+            # Every variant's worker runs for the whole pool (idle ones wait in BRPOP), so the
+            # batches of one kind run back to back: a machine that gets slower or faster
+            # over the run moves every variant of a round alike.
+            procs: dict[str, subprocess.Popen[bytes]] = {}
+            try:
                 for variant in variants:
-                    for kind, _ in KINDS:
-                        ratio = measured[(variant, kind)] / measured[("plain", kind)]
-                        ratios.setdefault((pool, kind, variant), []).append(ratio)
-                        took = measured[(variant, kind)]
-                        print(
-                            f"round {rnd + 1} {pool:7} {kind:4} {variant:9} {took:7.3f} s "
-                            f"{tasks / took:7.0f} tasks/s  x{ratio:.3f}",
-                            flush=True,
-                        )
+                    queue = f"bench-{variant}-{pool}"
+                    log = logs / f"{queue}.log"
+                    procs[variant] = start_worker(url, variant, pool, queue, log)
+                for variant in variants:
+                    queue = f"bench-{variant}-{pool}"
+                    log = logs / f"{queue}.log"
+                    wait_ready(client, url, variant, queue, log)
+                    run_batch(client, url, variant, queue, "bench.noop", warmup, log=log)
+                for rnd in range(rounds):
+                    # rotate the order so no variant always runs first (or on a warmer machine)
+                    order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
+                    for kind, task in KINDS:
+                        measured: dict[str, float] = {}
+                        for variant in order:
+                            queue = f"bench-{variant}-{pool}"
+                            log = logs / f"{queue}.log"
+                            measured[variant] = run_batch(
+                                client, url, variant, queue, task, tasks, log=log
+                            )
+                        for variant in variants:
+                            took = measured[variant]
+                            ratio = took / measured["plain"]
+                            times.setdefault((pool, kind, variant), []).append(took)
+                            ratios.setdefault((pool, kind, variant), []).append(ratio)
+                            print(
+                                f"round {rnd + 1} {pool:7} {kind:4} {variant:9} {took:7.3f} s "
+                                f"{tasks / took:7.0f} tasks/s  x{ratio:.3f}",
+                                flush=True,
+                            )
+            finally:
+                for variant, proc in procs.items():
+                    stop(proc)
+                    app = _producers.pop((variant, f"bench-{variant}-{pool}"), None)
+                    if app is not None:
+                        app.close()  # type: ignore[attr-defined]
         client.close()
     print(f"\n{tasks} tasks per batch, {rounds} round(s); ratio = time / plain Celery's time")
     print("| pool | tasks | variant | tasks/s (median) | ratio per round | median ratio |")
