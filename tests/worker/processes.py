@@ -2,7 +2,9 @@
 
 Every process is started with ``start_new_session=True`` so a test can SIGKILL a worker's whole
 process group (main process and pool children) like a crashed host, and the fixture's
-finalizer kills every group it started, whatever the test's outcome.
+finalizer kills every group it started, whatever the test's outcome. On Linux each one also
+asks the kernel to SIGKILL it when the test process dies (``PR_SET_PDEATHSIG``), so a test run
+killed from outside, where no finalizer runs, leaves no worker behind.
 """
 
 from __future__ import annotations
@@ -34,6 +36,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Seconds a worker gets to print "ready".
 READY_TIMEOUT_S = 30.0
+
+#: Runs ``python -m <argv...>`` after asking to be killed with the test process (Linux).
+_LAUNCH = """
+import ctypes, os, signal, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+if os.getppid() != int(os.environ["CLAIMS_TEST_PARENT"]):
+    sys.exit("the test process is gone")
+os.execv(sys.executable, [sys.executable, "-m", *sys.argv[1:]])
+"""
+
+
+def _command(module: str, args: list[str]) -> list[str]:
+    if sys.platform.startswith("linux"):
+        return [sys.executable, "-c", _LAUNCH, module, *args]
+    return [sys.executable, "-m", module, *args]
 
 
 class Proc:
@@ -79,9 +97,9 @@ class Fleet:
         log = self.dir / f"{name}.log"
         with log.open("wb") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "celery", *args],
+                _command("celery", args),
                 cwd=ROOT,
-                env={**os.environ, **env},
+                env={**os.environ, **env, "CLAIMS_TEST_PARENT": str(os.getpid())},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
