@@ -109,7 +109,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="100 tasks, 1 round, prefork only")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--pools", default=",".join(POOLS))
+    parser.add_argument(
+        "--prefetch",
+        type=int,
+        default=1,
+        help="worker_prefetch_multiplier of every variant (1, the recommended setting)",
+    )
     opts = parser.parse_args()
+    os.environ["BENCH_PREFETCH"] = str(opts.prefetch)  # read by every worker started below
     tasks, rounds, warmup = opts.tasks, opts.rounds, opts.warmup
     variants = tuple(opts.variants.split(","))
     pools = tuple(opts.pools.split(","))

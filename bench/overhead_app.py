@@ -5,9 +5,11 @@ plus the least any execution-time claim costs: one blocking round trip of a one-
 script to the store per message, in the consumer before the pool gets it), ``claims``
 (``celery_claims.install``), ``once`` (celery-once's ``QueueOnce`` base) or ``singleton``
 (celery-singleton's ``Singleton`` base). ``BENCH_URL`` is the Redis used as broker and as
-every plugin's store; ``BENCH_QUEUE`` the queue. No result backend: the benchmark measures
-the time to drain the queue. The producer builds the same app with :func:`build`, since
-celery-once and celery-singleton take their lock when a task is sent.
+every plugin's store; ``BENCH_QUEUE`` the queue; ``BENCH_PREFETCH`` the
+``worker_prefetch_multiplier`` (1, what celery-claims recommends, unless given). No result
+backend: the benchmark measures the time to drain the queue. The producer builds the same app
+with :func:`build`, since celery-once and celery-singleton take their lock when a task is
+sent.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def build(variant: str, url: str, queue: str) -> Celery:
         task_default_queue=queue,
         # the settings celery-claims recommends, for every variant alike
         task_acks_late=True,
-        worker_prefetch_multiplier=1,
+        worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH", "1")),
         task_ignore_result=True,
         task_time_limit=600,
         worker_hijack_root_logger=False,
