@@ -131,6 +131,16 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def command_calls(client: redis.Redis) -> dict[str, int]:
+    """Calls per command from ``INFO commandstats``; subcommands (``script|exists`` in Redis 7)
+    count as their command, as Redis 6 counts them."""
+    calls: dict[str, int] = {}
+    for name, value in client.info("commandstats").items():
+        command = name.removeprefix("cmdstat_").split("|")[0]
+        calls[command] = calls.get(command, 0) + int(value["calls"])
+    return calls
+
+
 @contextlib.contextmanager
 def redis_server(extra_args: Sequence[str] = ()) -> Iterator[RedisServer]:
     server = RedisServer(extra_args)

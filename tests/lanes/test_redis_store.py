@@ -15,19 +15,9 @@ from celery_claims.lanes import CodecError, IoError, LeaseLost, TaskClaimCandida
 from celery_claims.lanes.keys import member
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from tests.lanes.conftest import LANES, MAIL, T0
-from tests.servers import RedisClusterNodes, RedisServer, free_port
+from tests.servers import RedisClusterNodes, RedisServer, command_calls, free_port
 
 LEASE = T0 + timedelta(seconds=30)
-
-
-def command_calls(client: redis.Redis) -> dict[str, int]:
-    """Calls per command; subcommands (``script|exists`` in Redis 7) count as their command,
-    as Redis 6 counts them."""
-    calls: dict[str, int] = {}
-    for name, v in client.info("commandstats").items():
-        command = name.removeprefix("cmdstat_").split("|")[0]
-        calls[command] = calls.get(command, 0) + int(v["calls"])
-    return calls
 
 
 #: The commands the lane claim script runs inside Redis (counted by commandstats too).

@@ -28,7 +28,7 @@ from celery_claims import (
     Success,
 )
 from celery_claims.worker.pipe import ReplyError, RespReader, StorePipe, encode_command
-from tests.servers import RedisServer, redis_server
+from tests.servers import RedisServer, command_calls, redis_server
 from tests.worker.helpers import close_app, in_process_worker, make_app
 from tests.worker.helpers import wait_for as helpers_wait_for
 
@@ -434,14 +434,6 @@ def test_cluster_clients_get_none(redis_cluster: Any, key_prefix: str, timer: Ti
 
 #: What claim.lua and release.lua call inside Redis (commandstats counts those too).
 CLAIM_AND_RELEASE_COMMANDS = {"time", "hincrby", "hget", "incr", "hset", "zadd", "hdel", "zrem"}
-
-
-def command_calls(client: redis.Redis) -> dict[str, int]:
-    calls: dict[str, int] = {}
-    for name, value in client.info("commandstats").items():
-        command = name.removeprefix("cmdstat_").split("|")[0]
-        calls[command] = calls.get(command, 0) + int(value["calls"])
-    return calls
 
 
 def test_a_worker_sends_one_claim_and_one_completion_per_message_and_nothing_else(
