@@ -29,8 +29,7 @@ from celery_claims import (
 )
 from celery_claims.worker.pipe import ReplyError, RespReader, StorePipe, encode_command
 from tests.servers import RedisServer, command_calls, redis_server
-from tests.worker.helpers import close_app, in_process_worker, make_app
-from tests.worker.helpers import wait_for as helpers_wait_for
+from tests.worker.helpers import close_app, in_process_worker, make_app, wait_for
 
 OWNER = "worker-1/100/abc"
 LEASE_MS = 30_000
@@ -77,13 +76,6 @@ def fire_due(timer: Timer) -> int:
             return fired
         entry()
         fired += 1
-
-
-def wait_for(predicate: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
 
 
 # --- the protocol ----------------------------------------------------------------------------
@@ -191,7 +183,7 @@ def test_completion_is_written_before_its_reply_is_read(
     # nothing has been read, but the store has the record (another client sees it)
     assert outcomes == []
     assert pipe.waiting == 1
-    wait_for(lambda: manager.done_record("q", "t1") is not None)
+    wait_for(lambda: manager.done_record("q", "t1"), timeout=5, what="the done record")
     # the reply is read with the next call's, in order
     second = pipe.call(manager.claim_call("q", "t1", OWNER, LEASE_MS))
     assert outcomes == [None]
@@ -209,7 +201,7 @@ def test_a_late_reply_is_read_by_the_timer(
     pipe.submit(manager.complete_call(token, DONE_TTL_MS), outcomes.append)
     assert len(timer.queue) == 1
     assert fire_due(timer) == 0  # not due yet
-    wait_for(lambda: manager.done_record("q", "t1") is not None)
+    wait_for(lambda: manager.done_record("q", "t1"), timeout=5, what="the done record")
     time.sleep(0.03)
     assert fire_due(timer) == 1
     assert outcomes == [None]
@@ -280,20 +272,14 @@ def test_decoded_responses_clients_are_served_too(
 # --- outages ---------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def own_server() -> Iterator[RedisServer]:
-    with redis_server() as server:
-        yield server
-
-
 def test_stopped_store_fails_the_calls_and_the_pipe_reconnects_after_a_restart(
-    own_server: RedisServer, key_prefix: str, timer: Timer
+    private_redis: RedisServer, key_prefix: str, timer: Timer
 ) -> None:
-    with RedisClaimManager(url=own_server.url, prefix=key_prefix) as manager:
+    with RedisClaimManager(url=private_redis.url, prefix=key_prefix) as manager:
         pipe = open_pipe(manager, timer)
         token = pipe.call(manager.claim_call("q", "t1", OWNER, LEASE_MS)).token
         outcomes: list[Any] = []
-        own_server.stop()
+        private_redis.stop()
         pipe.submit(manager.complete_call(token, DONE_TTL_MS), outcomes.append)
         started = time.monotonic()
         result = pipe.call(manager.claim_call("q", "t2", OWNER, LEASE_MS))
@@ -303,21 +289,21 @@ def test_stopped_store_fails_the_calls_and_the_pipe_reconnects_after_a_restart(
         assert len(outcomes) == 1
         assert isinstance(outcomes[0], BackendUnavailable)
         assert pipe.waiting == 0
-        own_server.start()
+        private_redis.start()
         # no persistence: the restarted store is empty, and the pipe connects again
         assert isinstance(pipe.call(manager.claim_call("q", "t2", OWNER, LEASE_MS)), Success)
         pipe.close()
 
 
 def test_paused_store_times_out_every_waiting_call(
-    own_server: RedisServer, key_prefix: str, timer: Timer
+    private_redis: RedisServer, key_prefix: str, timer: Timer
 ) -> None:
-    with RedisClaimManager(url=own_server.url, prefix=key_prefix) as manager:
+    with RedisClaimManager(url=private_redis.url, prefix=key_prefix) as manager:
         pipe = open_pipe(manager, timer, timeout_s=0.5)
         token = pipe.call(manager.claim_call("q", "t1", OWNER, LEASE_MS)).token
         claim_call = manager.claim_call("q", "t2", OWNER, LEASE_MS)  # registers the queue now
-        assert own_server.proc is not None
-        os.kill(own_server.proc.pid, signal.SIGSTOP)
+        assert private_redis.proc is not None
+        os.kill(private_redis.proc.pid, signal.SIGSTOP)
         try:
             outcomes: list[Any] = []
             pipe.submit(manager.complete_call(token, DONE_TTL_MS), outcomes.append)
@@ -325,7 +311,7 @@ def test_paused_store_times_out_every_waiting_call(
             result = pipe.call(claim_call)
             waited = time.monotonic() - started
         finally:
-            os.kill(own_server.proc.pid, signal.SIGCONT)
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
         assert isinstance(result, BackendUnavailable)
         assert 0.4 < waited < 2.0
         assert [type(o) for o in outcomes] == [BackendUnavailable]
@@ -335,15 +321,14 @@ def test_paused_store_times_out_every_waiting_call(
 
 
 def test_the_timer_fails_a_call_whose_reply_is_overdue(
-    own_server: RedisServer, key_prefix: str, timer: Timer
+    private_redis: RedisServer, key_prefix: str, timer: Timer
 ) -> None:
-    with RedisClaimManager(url=own_server.url, prefix=key_prefix) as manager:
-        pipe = StorePipe.for_manager(manager, timer, timeout_s=0.3)
-        assert pipe is not None
+    with RedisClaimManager(url=private_redis.url, prefix=key_prefix) as manager:
+        pipe = open_pipe(manager, timer, timeout_s=0.3)
         pipe.poll_s = 0.05
         token = pipe.call(manager.claim_call("q", "t1", OWNER, LEASE_MS)).token
-        assert own_server.proc is not None
-        os.kill(own_server.proc.pid, signal.SIGSTOP)
+        assert private_redis.proc is not None
+        os.kill(private_redis.proc.pid, signal.SIGSTOP)
         try:
             outcomes: list[Any] = []
             pipe.submit(manager.complete_call(token, DONE_TTL_MS), outcomes.append)
@@ -352,7 +337,7 @@ def test_the_timer_fails_a_call_whose_reply_is_overdue(
                 fire_due(timer)
                 time.sleep(0.01)
         finally:
-            os.kill(own_server.proc.pid, signal.SIGCONT)
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
         assert [type(o) for o in outcomes] == [BackendUnavailable]
         assert "no reply in 0.3 s" in str(outcomes[0])
         pipe.close()
@@ -437,13 +422,13 @@ CLAIM_AND_RELEASE_COMMANDS = {"time", "hincrby", "hget", "incr", "hset", "zadd",
 
 
 def test_a_worker_sends_one_claim_and_one_completion_per_message_and_nothing_else(
-    redis_server: RedisServer, own_server: RedisServer, queue: str, key_prefix: str
+    redis_server: RedisServer, private_redis: RedisServer, queue: str, key_prefix: str
 ) -> None:
     app = make_app(
         redis_server.url,
         queue=queue,
         claims_prefix=key_prefix,
-        claims_redis_url=own_server.url,
+        claims_redis_url=private_redis.url,
         claims_lease_ms=60_000,
         claims_renew_interval_ms=25_000,
     )
@@ -452,7 +437,7 @@ def test_a_worker_sends_one_claim_and_one_completion_per_message_and_nothing_els
     def square(i: int) -> int:
         return i * i
 
-    observer = own_server.client()
+    observer = private_redis.client()
     try:
         with in_process_worker(app) as worker:
             assert square.delay(0).get(timeout=30) == 0  # connects, registers the queue
@@ -461,9 +446,7 @@ def test_a_worker_sends_one_claim_and_one_completion_per_message_and_nothing_els
             assert [square.delay(i).get(timeout=30) for i in range(1, 21)] == [
                 i * i for i in range(1, 21)
             ]
-            helpers_wait_for(
-                lambda: counters.get("completed") == 21, timeout=10, what="21 completions"
-            )
+            wait_for(lambda: counters.get("completed") == 21, timeout=10, what="21 completions")
             after = command_calls(observer)
             gate = worker.consumer.claim_gate
             assert gate is not None
