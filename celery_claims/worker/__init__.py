@@ -3,9 +3,10 @@
 Only this subpackage imports Celery; the claim core does not.
 """
 
-from celery_claims.worker.guard import StaleCopy, current_claim
+from celery_claims.worker.guard import ClaimUnverified, StaleCopy, current_claim
 from celery_claims.worker.install import install
-from celery_claims.worker.keeper import ActiveClaim, ClaimsRuntime
+from celery_claims.worker.lifecycle import Copy, State
+from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.settings import ClaimsSettings, LaneSpec, load_settings
 from celery_claims.worker.signals import (
     Counters,
@@ -24,11 +25,13 @@ __all__ = [
     "LaneSpec",
     "load_settings",
     # task code
+    "ClaimUnverified",
     "StaleCopy",
     "current_claim",
     # run-time state
-    "ActiveClaim",
     "ClaimsRuntime",
+    "Copy",
+    "State",
     "Counters",
     # signals
     "claim_acquired",

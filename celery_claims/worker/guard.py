@@ -21,9 +21,9 @@ import functools
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-import redis
 from celery import current_task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_logger
@@ -31,9 +31,20 @@ from celery.utils.log import get_logger
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
 from celery_claims.fencing import TaskClaim
+from celery_claims.worker.policy import is_exempt
+from celery_claims.worker.recovery import Verdict, record_done, recover
 from celery_claims.worker.settings import ClaimsSettings
+from celery_claims.worker.store import new_manager
 
-__all__ = ["REQUEST_KEY", "StaleCopy", "current_claim", "declare_request_key", "guard_tasks"]
+__all__ = [
+    "REQUEST_KEY",
+    "ClaimUnverified",
+    "StaleCopy",
+    "current_claim",
+    "declare_request_key",
+    "guard_tasks",
+    "is_guarded",
+]
 
 logger = get_logger("celery_claims.worker")
 
@@ -79,6 +90,32 @@ def current_claim() -> TaskClaim | None:
     return claim if isinstance(claim, TaskClaim) else None
 
 
+class ClaimUnverified(Ignore):  # type: ignore[misc]  # celery is untyped
+    """Raised when the pool process cannot reach the claim store to check its claim.
+
+    Fail closed: a copy that cannot be verified does not start, and a body that ended while
+    the store was unreachable stores no result. An ``Ignore``, so Celery stores nothing; the
+    worker's main process decides what happens to the message from :attr:`phase`:
+
+    - ``"start"``: the body never ran; the message goes back to the broker;
+    - ``"failed"``: the body raised; the message goes back to the broker (it runs again);
+    - ``"done"``: the body returned; the main process records the completion once the store
+      answers, and only then acknowledges the message.
+    """
+
+    def __init__(self, message: str = "", phase: str = "start") -> None:
+        # both in args: exceptions cross from a prefork child to the parent by pickling
+        super().__init__(message, phase)
+
+    @property
+    def phase(self) -> str:
+        """``"start"``, ``"failed"`` or ``"done"``: how far the copy got."""
+        return str(self.args[1]) if len(self.args) > 1 else "start"
+
+
+_T = TypeVar("_T")
+
+
 class _Verifier:
     """Checks, from the process running the task, that its claim is still its own."""
 
@@ -97,34 +134,68 @@ class _Verifier:
         with self._lock:
             if self._manager is None or self._pid != pid:
                 # a prefork child: never share the parent's sockets across fork
-                timeout_s = self.settings.socket_timeout_ms / 1000
-                client = redis.Redis.from_url(
-                    self.settings.redis_url,
-                    socket_timeout=timeout_s,
-                    socket_connect_timeout=timeout_s,
-                )
-                self._manager = RedisClaimManager(client=client, prefix=self.settings.prefix)
+                self._manager = new_manager(self.settings)
                 self._pid = pid
             return self._manager
 
     def still_mine(self, claim: TaskClaim) -> bool:
-        """False only if the claim store says another copy owns the task now."""
+        """False if another copy owns the task now.
+
+        Raises:
+            BackendUnavailable: the store could not be asked (the caller fails closed).
+        """
         # Nobody can take a claim over before its lease ends, and the lease handed to the
         # pool ended no earlier than claim.expires_at (renewals only extend it). The margin
         # covers clock skew between this host and the claim store's clock.
         margin_ms = claim.lease_ms // 4
         if time.time() * 1000 < claim.expires_at - margin_ms:
             return True
-        try:
-            result = self.manager().renew(claim.queue_id, [claim.token()], claim.lease_ms)
-        except BackendUnavailable as exc:
-            # no other copy can take the claim over while the store is unreachable either
-            logger.warning("Claim %s: could not verify the lease (%s)", claim.task_id, exc)
-            return True
-        except ClaimError:
-            logger.exception("Claim %s: could not verify the lease", claim.task_id)
-            return True
-        return not (result and isinstance(result[0], ClaimTokenError))
+
+        def ask() -> bool:
+            manager = self.manager()
+            result = manager.renew(claim.queue_id, [claim.token()], claim.lease_ms)
+            if not result or not isinstance(result[0], ClaimTokenError):
+                return True
+            return recover(manager, claim.token(), result[0], claim.lease_ms).verdict is (
+                Verdict.OURS
+            )
+
+        return self._answered(ask)
+
+    def record_done(self, claim: TaskClaim) -> Verdict:
+        """Record the completion of the attempt (see :func:`~.recovery.record_done`).
+
+        Raises:
+            BackendUnavailable: the store did not answer within ``claims_start_timeout_ms``.
+        """
+        return self._answered(
+            lambda: (
+                record_done(
+                    self.manager(),
+                    claim.token(),
+                    lease_ms=claim.lease_ms,
+                    done_ttl_ms=self.settings.done_ttl_ms,
+                ).verdict
+            )
+        )
+
+    def _answered(self, ask: Callable[[], _T]) -> _T:
+        """``ask()``, retried while the store is unreachable, for a bounded time.
+
+        Waiting costs the worker nothing: while its claim store is unreachable no other copy
+        can start on it either. A store that stays away longer than
+        ``claims_start_timeout_ms`` ends the wait with :class:`BackendUnavailable`.
+        """
+        deadline = time.monotonic() + self.settings.start_timeout_ms / 1000
+        delay_s = self.settings.unavailable_retry_ms / 1000
+        while True:
+            try:
+                return ask()
+            except BackendUnavailable:
+                if time.monotonic() + delay_s >= deadline:
+                    raise
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 2, self.settings.unavailable_retry_max_ms / 1000)
 
 
 def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
@@ -133,22 +204,62 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
         claim = getattr(task.request, REQUEST_KEY, None)
         if not isinstance(claim, TaskClaim):
             return run(*args, **kwargs)
-        if not verifier.still_mine(claim):
-            raise _stale(task, claim, "before it started")
+        _check(task, claim, verifier, "start", "before it started")
         try:
             retval = run(*args, **kwargs)
         except (Ignore, Reject, Retry):
             raise
         except Exception as exc:
-            if not verifier.still_mine(claim):
-                raise _stale(task, claim, f"failed ({type(exc).__name__})") from exc
+            _check(task, claim, verifier, "failed", f"failed ({type(exc).__name__})", exc)
             raise
-        if not verifier.still_mine(claim):
+        # The completion is recorded here, before the tracer stores the result: whatever
+        # happens to the result (a result backend outage fails the task after its body
+        # returned), a later copy of this attempt is acknowledged without running.
+        try:
+            verdict = verifier.record_done(claim)
+        except ClaimError as exc:
+            raise _unverified(task, claim, "done", exc) from exc
+        if verdict is Verdict.LOST:
             raise _stale(task, claim, "finished")
         return retval
 
     setattr(claims_guarded_run, _GUARDED, True)
     return claims_guarded_run
+
+
+def _check(
+    task: Any,
+    claim: TaskClaim,
+    verifier: _Verifier,
+    phase: str,
+    what: str,
+    cause: BaseException | None = None,
+) -> None:
+    try:
+        mine = verifier.still_mine(claim)
+    except ClaimError as exc:
+        raise _unverified(task, claim, phase, exc) from cause or exc
+    if not mine:
+        raise _stale(task, claim, what) from cause
+
+
+def is_guarded(task: Any) -> bool:
+    """True if ``task``'s run records its own completion (wrapped by :func:`guard_tasks`)."""
+    return bool(getattr(getattr(task, "run", None), _GUARDED, False))
+
+
+def _unverified(task: Any, claim: TaskClaim, phase: str, error: BaseException) -> ClaimUnverified:
+    logger.warning(
+        "%s[%s]: claim %s/%s (instance %d) cannot be verified at %s (%s); failing closed",
+        task.name,
+        task.request.id,
+        claim.queue_id,
+        claim.task_id,
+        claim.instance,
+        phase,
+        error,
+    )
+    return ClaimUnverified(f"claim instance {claim.instance} could not be verified", phase)
 
 
 def _stale(task: Any, claim: TaskClaim, what: str) -> StaleCopy:
@@ -170,8 +281,6 @@ def guard_tasks(app: Any, settings: ClaimsSettings, manager: RedisClaimManager) 
     Called when the worker starts, before the pool forks and before the consumer builds the
     tracers (which capture ``task.run``).
     """
-    from celery_claims.worker.gate import is_exempt
-
     verifier = _Verifier(settings, manager)
     wrapped = 0
     for name, task in list(app.tasks.items()):

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from celery_claims.observe import connect_journal, journal_connected
-from celery_claims.worker.gate import Gate
 from celery_claims.worker.guard import declare_request_key
-from celery_claims.worker.keeper import LeaseKeeper
 from celery_claims.worker.settings import add_worker_options
+from celery_claims.worker.steps import Gate, LeaseKeeper
 from celery_claims.worker.tasks import connect_schedule, register_cleanup_task
 
 __all__ = ["install"]

@@ -99,7 +99,7 @@ class LaneWaiter:
 
     Attributes:
         request: the worker's ``Request``.
-        claim: its :class:`~celery_claims.worker.keeper.ActiveClaim`.
+        claim: its :class:`~celery_claims.worker.lifecycle.Copy`.
         since: when it started waiting (``time.monotonic()``).
         held: its prefetch slot was given back (the lane was full on a pass).
         ticket: the ticket it will claim, once it is among the first ``limit`` waiting.
@@ -199,15 +199,17 @@ class WorkerLanes:
         self.stale_secs = max(1, math.ceil(settings.lease_ms / 1000))
         self._lock = threading.Lock()
         self.consumer: Any = None
-        self.dispatch: Callable[[Any, Any], None] | None = None
+        self.dispatch: Callable[[Any, LaneSlot], None] | None = None
+        #: the worker's prefetch slot ledger (``lifecycle.SlotLedger``), set by the lifecycle
+        self.slots: Any = None
 
     @staticmethod
     def store_lanes(settings: ClaimsSettings) -> list[TaskLaneConfig[str, str]]:
         """The lane configs a lane store must be built with for ``settings``."""
         return [Lane(spec).config for spec in settings.lanes]
 
-    def bind(self, consumer: Any, dispatch: Callable[[Any, Any], None]) -> None:
-        """Attach the consumer (timer, hub, qos) and the gate's hand-off to the pool."""
+    def bind(self, consumer: Any, dispatch: Callable[[Any, LaneSlot], None]) -> None:
+        """Attach the consumer (timer, hub) and the hand-off of a granted copy to the pool."""
         self.consumer = consumer
         self.dispatch = dispatch
 
@@ -220,15 +222,14 @@ class WorkerLanes:
 
     # --- admission and passes (event loop) --------------------------------------------------
 
-    def admit(self, lane: Lane, request: Any, claim: Any) -> None:
+    def admit(self, lane: Lane, copy: Any) -> None:
         """Queue a claimed message for its lane; a pass for it runs on the next loop turn.
 
         The gate has just spent this message's round trip on the claim, so the lane pass
         (another round trip) is left to the next turn of the event loop, where one pass
         serves every message that arrived meanwhile.
         """
-        claim.lane_waiter = LaneWaiter(request, claim)
-        lane.waiting.append(claim.lane_waiter)
+        lane.waiting.append(LaneWaiter(copy.request, copy))
         self._soon(lane, "arrival")
 
     def run_pass(self, lane: Lane, why: str) -> None:
@@ -282,24 +283,20 @@ class WorkerLanes:
 
     def _grant(self, lane: Lane, waiter: LaneWaiter) -> None:
         assert waiter.ticket is not None
-        claim = waiter.claim
-        claim.lane_waiter = None
-        claim.lane_slot = LaneSlot(lane, waiter.ticket)
-        if waiter.held:
-            self.consumer.qos.decrement_eventually()
         self.counters.incr("lane_acquired")
-        logger.debug("Lane %s: slot for claim %s", lane.name, claim.claim_id)
+        logger.debug("Lane %s: slot for claim %s", lane.name, waiter.claim.claim_id)
         assert self.dispatch is not None
-        self.dispatch(waiter.request, claim)
+        self.dispatch(waiter.claim, LaneSlot(lane, waiter.ticket))
 
     def _hold_rest(self, lane: Lane) -> None:
         for waiter in lane.waiting:
             if waiter.held:
                 continue
             waiter.held = True
-            # a waiting message keeps its prefetch slot otherwise: give it back, as Celery
-            # does for ETA requests, so the worker's other queues keep flowing
-            self.consumer.qos.increment_eventually()
+            # a waiting message keeps its prefetch slot otherwise: give it back (within the
+            # worker's window), as Celery does for ETA requests, so other queues keep flowing
+            if self.slots is not None:
+                self.slots.give_back(waiter.claim)
             self.counters.incr("lane_held")
             request = waiter.request
             recheck_s = self.settings.lane_recheck_ms / 1000
@@ -449,21 +446,18 @@ class WorkerLanes:
 
     # --- a waiting message leaves without a slot (event loop) -------------------------------
 
-    def forget(self, claim: Any) -> Any:
-        """Remove ``claim``'s message from its lane's waiting list; returns the waiter or None."""
-        waiter = getattr(claim, "lane_waiter", None)
-        if waiter is None:
-            return None
-        claim.lane_waiter = None
+    def forget(self, copy: Any) -> LaneWaiter | None:
+        """Remove ``copy`` from its lane's waiting list; returns its waiter or None."""
         for lane in self.lanes.values():
-            if waiter in lane.waiting:
-                lane.waiting.remove(waiter)
-                if waiter.ticket is not None:
-                    self.give_back(lane, waiter.ticket)
-                    waiter.ticket = None
-                if not lane.waiting:
-                    self._cancel_timer(lane)
-                return waiter
+            for waiter in lane.waiting:
+                if waiter.claim is copy:
+                    lane.waiting.remove(waiter)
+                    if waiter.ticket is not None:
+                        self.give_back(lane, waiter.ticket)
+                        waiter.ticket = None
+                    if not lane.waiting:
+                        self._cancel_timer(lane)
+                    return waiter
         return None
 
     def drop_all(self) -> list[LaneWaiter]:
@@ -473,7 +467,6 @@ class WorkerLanes:
             self._cancel_timer(lane)
             while lane.waiting:
                 waiter = lane.waiting.popleft()
-                waiter.claim.lane_waiter = None
                 if waiter.ticket is not None:
                     self.give_back(lane, waiter.ticket)
                 dropped.append(waiter)

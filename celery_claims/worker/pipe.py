@@ -384,7 +384,9 @@ class StorePipe:
                     reader.feed(data)
                     reply = reader.gets()
                 if isinstance(reply, ReplyError):
-                    raise BackendError(f"claim store refused {command[0]}: {reply:.200}")
+                    # LOADING and the like mean "not now", like a refused connection; the
+                    # rest (NOAUTH, a wrong password) is a configuration error
+                    raise _reply_error(f"{command[0]} refused: {reply:.200}")
         except OSError as exc:
             raise BackendUnavailable(f"claim store unavailable: {exc}") from exc
 

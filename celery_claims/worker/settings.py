@@ -50,6 +50,10 @@ DEFAULT_UNAVAILABLE_RETRY_MAX_MS = 30_000
 DEFAULT_SOCKET_TIMEOUT_MS = 5_000
 #: How often a worker re-checks a lane that is full while it holds messages waiting for it.
 DEFAULT_LANE_RECHECK_MS = 1_000
+#: Longest a claimed copy may wait in the pool without starting before it is given up, ms.
+DEFAULT_START_TIMEOUT_MS = 300_000
+#: Takeovers of one attempt after which it is given up as a poison task (its workers crash).
+DEFAULT_MAX_TAKEOVERS = 3
 #: Seconds between two ``celery_claims.cleanup_expired`` runs sent by beat.
 DEFAULT_CLEANUP_INTERVAL_S = 300.0
 #: Most expired claims one ``celery_claims.cleanup_expired`` run removes.
@@ -112,6 +116,11 @@ class ClaimsSettings:
         lane_recheck_ms: re-check period of a full lane (``claims_lane_recheck_ms``).
         strict_settings: refuse to start when the unsafe-settings check finds anything
             (``claims_strict_settings``).
+        start_timeout_ms: a claimed copy the pool has not started within this is given up:
+            its claim is released and its message handed back to the broker
+            (``claims_start_timeout_ms``; at least ``claims_lease_ms``).
+        max_takeovers: takeovers of one attempt before it is given up as poison
+            (``claims_max_takeovers``; ``None``: never).
     """
 
     redis_url: str
@@ -129,6 +138,8 @@ class ClaimsSettings:
     lanes: tuple[LaneSpec, ...] = ()
     lane_recheck_ms: int = DEFAULT_LANE_RECHECK_MS
     strict_settings: bool = False
+    start_timeout_ms: int = DEFAULT_START_TIMEOUT_MS
+    max_takeovers: int | None = DEFAULT_MAX_TAKEOVERS
 
     def check_task_lease(self, task_name: str, lease_ms: object) -> int:
         """Validate a per-task ``claims_lease_ms`` attribute against the renew interval.
@@ -160,6 +171,8 @@ _WORKER_OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("claims_socket_timeout_ms", int, "Claim store socket timeouts in ms."),
     ("claims_lane_recheck_ms", int, "Re-check period of a full lane, ms."),
     ("claims_strict_settings", bool, "Refuse to start on an unsafe Celery setting."),
+    ("claims_start_timeout_ms", int, "Give up a claimed copy the pool has not started, ms."),
+    ("claims_max_takeovers", int, "Takeovers of one attempt before it is given up (-1: never)."),
 )
 
 #: Names of the settings a worker command-line option can override.
@@ -287,6 +300,29 @@ def load_settings(app: Any, overrides: Mapping[str, Any] | None = None) -> Claim
     if not isinstance(strict, bool):
         raise InvalidArgument("claims_strict_settings", f"must be a bool, got {strict!r:.80}")
 
+    start_timeout = _ms(
+        "claims_start_timeout_ms",
+        get("claims_start_timeout_ms", DEFAULT_START_TIMEOUT_MS),
+        minimum=1,
+    )
+    if start_timeout < lease:
+        # the pool process checks its claim with the store only once the lease handed to it
+        # may have run out: a copy given up sooner could still start unchecked
+        raise InvalidArgument(
+            "claims_start_timeout_ms",
+            f"{start_timeout} ms must be at least claims_lease_ms ({lease} ms)",
+        )
+    max_takeovers = get("claims_max_takeovers", DEFAULT_MAX_TAKEOVERS)
+    if max_takeovers is not None and (
+        isinstance(max_takeovers, bool) or not isinstance(max_takeovers, int) or max_takeovers < -1
+    ):
+        raise InvalidArgument(
+            "claims_max_takeovers",
+            f"must be None, -1 (never give up) or a non-negative int, got {max_takeovers!r:.80}",
+        )
+    if max_takeovers == -1:
+        max_takeovers = None
+
     return ClaimsSettings(
         redis_url=url,
         prefix=prefix,
@@ -317,6 +353,8 @@ def load_settings(app: Any, overrides: Mapping[str, Any] | None = None) -> Claim
             minimum=10,
         ),
         strict_settings=strict,
+        start_timeout_ms=start_timeout,
+        max_takeovers=max_takeovers,
     )
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from celery_claims.worker.keeper import new_manager
 from celery_claims.worker.settings import load_settings
+from celery_claims.worker.store import new_manager
 
 __all__ = [
     "CLEANUP_TASK_NAME",

@@ -1,0 +1,920 @@
+"""The lifecycle of a delivered copy: one state machine, the only code that changes it.
+
+Every message the claim gate sees becomes a :class:`Copy` with a :class:`State`. The legal
+moves are :data:`TRANSITIONS` (and docs/semantics.md, "The lifecycle of a delivered copy");
+:class:`Lifecycle` makes them, each under one lock, and is the only place that acks, rejects,
+forgets a delivery or releases a claim. Every rule that keeps a task from being lost or run
+twice is a transition here:
+
+- a message is acked only when its task is recorded done (``SKIPPED``, ``DONE``), or when
+  Celery's own handler ends an attempt that ran (``RELEASED``: failures keep Celery's rules);
+- a stale copy (another copy owns the task now) never acks on the Redis broker, where it
+  shares its delivery tag, and so its record in ``unacked``, with the live owner's copy: it is
+  forgotten in this worker only (``STALE`` -> ``GONE``). On other brokers its own delivery is
+  acked when another copy owns a live lease, and handed back otherwise;
+- a copy that cannot be verified never starts: its message is handed back to the broker;
+- a copy the pool does not start in time is given up: its claim released, its message handed
+  back, so another worker runs it;
+- Celery's ``task_ready`` always runs for a copy that reached the pool, whatever the store says.
+
+Threads: the gate, timers and pool callbacks of prefork and solo call in from the consumer's
+event loop, the thread pool's callbacks from its threads, the lease keeper from its own. Store
+calls are made outside the lock; broker calls are made on the consumer's thread
+(``consumer.call_soon``) unless the caller is on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from celery.exceptions import Ignore, Reject, Retry
+from celery.utils.log import get_logger
+from celery.worker.state import task_ready
+
+from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
+from celery_claims.model import AlreadyDone, ClaimToken, Success, TookOver
+from celery_claims.worker import signals
+from celery_claims.worker.compat import (
+    Delivery,
+    forget_delivery,
+    result_ready,
+    shares_delivery_tags,
+)
+from celery_claims.worker.guard import REQUEST_KEY, ClaimUnverified, StaleCopy
+from celery_claims.worker.identity import new_owner
+from celery_claims.worker.lanes import Lane, LaneSlot, WorkerLanes
+from celery_claims.worker.recovery import Recovery, Verdict, record_done, recover
+from celery_claims.worker.settings import ClaimsSettings
+from celery_claims.worker.signals import Counters
+
+__all__ = ["TRANSITIONS", "Copy", "Lifecycle", "SlotLedger", "State"]
+
+logger = get_logger("celery_claims.worker")
+
+
+class State(enum.Enum):
+    """Where a delivered copy is in its lifecycle."""
+
+    #: in the gate, its claim asked for
+    RECEIVED = "received"
+    #: kept unacked and re-checked on a timer (another copy's live lease, or the store is down)
+    HELD = "held"
+    #: claimed, waiting for a slot of its lane
+    WAITING = "waiting"
+    #: claimed and handed to the pool, not started yet
+    QUEUED = "queued"
+    #: the pool started it
+    RUNNING = "running"
+    #: its body returned; the completion record is not written yet (the store is unreachable)
+    COMPLETING = "completing"
+    #: another copy owns the task, or this copy was given up: it must never start, its
+    #: outcome is discarded, and its message is let go when the pool is done with it
+    STALE = "stale"
+    #: completion recorded; Celery's handler acked the message (terminal)
+    DONE = "done"
+    #: the attempt ended without success, its claim released; Celery's handler ran (terminal)
+    RELEASED = "released"
+    #: acked without running: the task is recorded done, or given up as poison (terminal)
+    SKIPPED = "skipped"
+    #: let go without acking: forgotten, handed back, or its connection closed (terminal)
+    GONE = "gone"
+
+
+#: The legal moves. Anything else is a bug, and raises.
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.RECEIVED: frozenset({State.HELD, State.WAITING, State.QUEUED, State.SKIPPED, State.GONE}),
+    State.HELD: frozenset({State.HELD, State.WAITING, State.QUEUED, State.SKIPPED, State.GONE}),
+    State.WAITING: frozenset({State.QUEUED, State.RECEIVED, State.RELEASED}),
+    State.QUEUED: frozenset(
+        {State.RUNNING, State.COMPLETING, State.DONE, State.RELEASED, State.STALE, State.GONE}
+    ),
+    State.RUNNING: frozenset(
+        {State.COMPLETING, State.DONE, State.RELEASED, State.STALE, State.GONE}
+    ),
+    State.COMPLETING: frozenset({State.DONE, State.STALE}),
+    State.STALE: frozenset({State.GONE}),
+    State.DONE: frozenset(),
+    State.RELEASED: frozenset(),
+    State.SKIPPED: frozenset(),
+    State.GONE: frozenset(),
+}
+
+#: States whose claim the keeper renews.
+RENEWED = frozenset({State.WAITING, State.QUEUED, State.RUNNING, State.COMPLETING})
+
+#: States that reached the pool (Celery's ``task_ready`` is owed when they end).
+IN_POOL = frozenset({State.QUEUED, State.RUNNING, State.COMPLETING, State.STALE})
+
+#: Exceptions that end an attempt with a successor message (or none needed): record done.
+#: ``Retry`` has published the next attempt; ``Ignore`` is what ``Task.replace`` raises after
+#: publishing the replacement (and a task raising it asks for no re-run).
+_DONE_EXCEPTIONS = (Retry, Ignore)
+
+
+@dataclass(eq=False)
+class Copy:
+    """One delivered copy of a task message, from the gate until it ends.
+
+    Attributes:
+        request: the worker's ``Request``.
+        owner: the owner string of this copy's claims (one execution attempt).
+        queue_id: the queue the claim is taken in.
+        task_key: the claim's task id, ``<task id>:<retries>:<nesting>`` (the attempt).
+        lease_ms: the lease of its claim.
+        guarded: its pool process records the completion itself (see ``guard.py``).
+        delivery: its Redis delivery, whose ``unacked_index`` score the keeper refreshes.
+        state: where it is.
+        token: its claim, once acquired (renewals update ``expires_at``).
+        hold_reason: ``"held"`` or ``"unavailable"`` while held.
+        delay_ms: the current re-check delay while held.
+        timer_entry: the pending re-check.
+        queued_at: when it was handed to the pool (``time.monotonic()``).
+        lane_slot: the lane slot it holds, if its message is in a lane.
+        stale_why: why it is stale (empty unless it went stale).
+        other_owner: another copy owns a live lease on the task (a stale copy may then be
+            acked where it has a delivery of its own).
+        handed_back: its message was handed back to the broker already.
+        recorded: its completion is recorded (by its pool process): stop renewing.
+        ack_pending: Celery's ack waits for the completion record.
+    """
+
+    request: Any
+    owner: str
+    queue_id: str
+    task_key: str
+    lease_ms: int
+    guarded: bool
+    delivery: Delivery | None = None
+    state: State = State.RECEIVED
+    token: ClaimToken | None = None
+    hold_reason: str = ""
+    delay_ms: int = 0
+    timer_entry: Any = None
+    queued_at: float = 0.0
+    lane_slot: LaneSlot | None = None
+    stale_why: str = ""
+    other_owner: bool = False
+    handed_back: bool = False
+    recorded: bool = False
+    ack_pending: bool = False
+
+    @property
+    def claim_id(self) -> str:
+        """``queue/task:retries:nesting``, for logs."""
+        return f"{self.queue_id}/{self.task_key}"
+
+    @property
+    def instance(self) -> int:
+        """The fencing number of its claim (0 before it has one)."""
+        return self.token.instance if self.token is not None else 0
+
+    @property
+    def fenced(self) -> bool:
+        """True once it is known stale: its outcome is never recorded."""
+        return bool(self.stale_why)
+
+
+class SlotLedger:
+    """Prefetch slots given back for held and lane-waiting copies, bounded by the window.
+
+    Celery raises the prefetch count for an ETA request so the rest of the queue keeps
+    flowing; a held copy does the same, but at most ``window`` of them at once (the worker's
+    initial prefetch count), so one worker never pulls the whole queue into its held set.
+    """
+
+    def __init__(self) -> None:
+        self.qos: Any = None
+        self.window = 0
+        self._given: set[int] = set()
+        self._lock = threading.Lock()
+
+    def bind(self, qos: Any, window: int) -> None:
+        """Use the consumer's QoS; ``window`` 0 means unbounded (no prefetch limit)."""
+        with self._lock:
+            self.qos = qos
+            self.window = window
+            self._given.clear()
+
+    def give_back(self, copy: Copy) -> bool:
+        """Give ``copy``'s prefetch slot back if the window allows; True if it was."""
+        with self._lock:
+            if id(copy) in self._given:
+                return True
+            if self.qos is None or (self.window and len(self._given) >= self.window):
+                return False
+            self._given.add(id(copy))
+        self.qos.increment_eventually()
+        return True
+
+    def take_back(self, copy: Copy) -> None:
+        """Take the slot given back for ``copy`` (if any) again."""
+        with self._lock:
+            if id(copy) not in self._given:
+                return
+            self._given.discard(id(copy))
+        self.qos.decrement_eventually()
+
+    def given(self) -> int:
+        """How many slots are given back now."""
+        with self._lock:
+            return len(self._given)
+
+
+class Lifecycle:
+    """Every delivered copy of one worker, and every move between states (module docstring).
+
+    Args:
+        settings: the worker's settings.
+        manager: the claim manager (blocking client).
+        counters: the worker's counters.
+        lanes: the worker's lanes, if any.
+        hostname: the worker's node name (for new owner strings).
+    """
+
+    def __init__(
+        self,
+        settings: ClaimsSettings,
+        manager: RedisClaimManager,
+        counters: Counters,
+        lanes: WorkerLanes | None,
+        hostname: str,
+    ) -> None:
+        self.settings = settings
+        self.hostname = hostname
+        self.manager = manager
+        self.counters = counters
+        self.lanes = lanes
+        self.slots = SlotLedger()
+        #: the worker's pool, to terminate a stale copy's process (set when the worker starts)
+        self.pool: Any = None
+        self._consumer: Any = None
+        self._dispatch: Callable[[Copy], None] | None = None
+        self._recheck: Callable[[Copy], None] | None = None
+        self._loop_thread = -1
+        self._lock = threading.Lock()
+        self._copies: dict[int, Copy] = {}
+        if lanes is not None:
+            lanes.slots = self.slots
+
+    # --- wiring (consumer bootstep) ---------------------------------------------------------
+
+    def bind(
+        self,
+        consumer: Any,
+        dispatch: Callable[[Copy], None],
+        recheck: Callable[[Copy], None],
+    ) -> None:
+        """Attach the consumer (timer, QoS, ``call_soon``) and the gate's pool hand-off."""
+        self._consumer = consumer
+        self._dispatch = dispatch
+        self._recheck = recheck
+        if self.lanes is not None:
+            self.lanes.bind(consumer, self.lane_granted)
+
+    def on_loop(self) -> None:
+        """The caller is the consumer's event loop (the gate calls this for each message)."""
+        self._loop_thread = threading.get_ident()
+        if self.slots.qos is not self._consumer.qos:
+            self.slots.bind(self._consumer.qos, int(self._consumer.initial_prefetch_count or 0))
+
+    # --- the registry -----------------------------------------------------------------------
+
+    def copies(self, *states: State) -> list[Copy]:
+        """The live copies in any of ``states`` (all live copies without arguments)."""
+        with self._lock:
+            if not states:
+                return list(self._copies.values())
+            return [c for c in self._copies.values() if c.state in states]
+
+    def renewed(self) -> list[Copy]:
+        """The copies whose claims the keeper renews."""
+        with self._lock:
+            return [c for c in self._copies.values() if c.state in RENEWED and not c.recorded]
+
+    def held(self) -> list[Copy]:
+        """The copies held unacked now."""
+        return self.copies(State.HELD)
+
+    def _move(self, copy: Copy, to: State, *, only_from: frozenset[State] | None = None) -> bool:
+        """Move ``copy`` to ``to``; False (nothing changed) if it is not in ``only_from``.
+
+        Raises:
+            AssertionError: the move is not in :data:`TRANSITIONS` (a bug).
+        """
+        with self._lock:
+            if only_from is not None and copy.state not in only_from:
+                return False
+            if to not in TRANSITIONS[copy.state]:
+                raise AssertionError(f"claim {copy.claim_id}: illegal move {copy.state} -> {to}")
+            copy.state = to
+            if TRANSITIONS[to]:
+                self._copies[id(copy)] = copy
+            else:
+                self._copies.pop(id(copy), None)
+            return True
+
+    # --- the gate's outcomes ----------------------------------------------------------------
+
+    def receive(
+        self,
+        request: Any,
+        *,
+        owner: str,
+        queue_id: str,
+        task_key: str,
+        lease_ms: int,
+        guarded: bool,
+    ) -> Copy:
+        """A new copy in the gate (``RECEIVED``)."""
+        from_redis = self.settings.refresh_unacked
+        copy = Copy(
+            request=request,
+            owner=owner,
+            queue_id=queue_id,
+            task_key=task_key,
+            lease_ms=lease_ms,
+            guarded=guarded,
+            delivery=Delivery.of(request.message) if from_redis else None,
+        )
+        with self._lock:
+            self._copies[id(copy)] = copy
+        return copy
+
+    def acquired(self, copy: Copy, result: Success | TookOver, lane: Lane | None) -> None:
+        """The claim was granted: to the lane (``WAITING``) or the pool (``QUEUED``)."""
+        assert result.token is not None
+        took_over = isinstance(result, TookOver)
+        copy.token = result.token
+        copy.request.claim = copy
+        self._cancel_timer(copy)
+        self.slots.take_back(copy)
+        self.counters.incr("took_over" if took_over else "acquired")
+        if isinstance(result, TookOver):
+            logger.info(
+                "Claim %s: took over from %s (instance %d)",
+                copy.claim_id,
+                result.previous_owner,
+                copy.instance,
+            )
+        signals.claim_acquired.send(
+            sender=copy.request.task,
+            request=copy.request,
+            token=copy.token,
+            took_over=took_over,
+            previous_owner=result.previous_owner if isinstance(result, TookOver) else None,
+        )
+        if lane is not None and self.lanes is not None:
+            self._move(copy, State.WAITING)
+            self.lanes.admit(lane, copy)
+        else:
+            self._to_pool(copy)
+
+    def lane_granted(self, copy: Copy, slot: LaneSlot) -> None:
+        """A lane slot for a waiting copy (event loop): to the pool."""
+        if copy.state is not State.WAITING:
+            if self.lanes is not None:
+                self.lanes.release(slot)
+            return
+        copy.lane_slot = slot
+        self.slots.take_back(copy)
+        self._to_pool(copy)
+
+    def _to_pool(self, copy: Copy) -> None:
+        self._move(copy, State.QUEUED)
+        copy.queued_at = time.monotonic()
+        assert self._dispatch is not None
+        self._dispatch(copy)
+
+    def skip(self, copy: Copy, record: Any, reason: str) -> None:
+        """The task is recorded done (or given up): ack without running (``SKIPPED``)."""
+        self._cancel_timer(copy)
+        self.slots.take_back(copy)
+        self._move(copy, State.SKIPPED)
+        request = copy.request
+        self.counters.incr("skipped_done" if reason == "done" else f"skipped_{reason}")
+        logger.info(
+            "Skipped %s[%s]: claim %s %s; acked without running",
+            request.name,
+            request.id,
+            copy.claim_id,
+            f"already done by {record.owner} (instance {record.instance})"
+            if isinstance(record, AlreadyDone)
+            else f"given up ({record})",
+        )
+        # only the message goes: the result the first run stored stays as it is
+        request.acknowledge()
+        task_ready(request)
+        signals.task_skipped.send(
+            sender=request.task,
+            request=request,
+            reason=reason,
+            claim_id=copy.claim_id,
+            record=record,
+        )
+
+    def hold(
+        self, copy: Copy, reason: str, *, holder: str | None, error: BaseException | None
+    ) -> None:
+        """Keep the copy unacked and re-check it later (``HELD``).
+
+        A copy held by another copy's live lease gives its prefetch slot back (within the
+        window), so the queue keeps flowing; a copy held because the store is unreachable
+        keeps it: nothing can run while the store is down, and taking more messages would
+        only hoard them away from other workers.
+        """
+        settings = self.settings
+        first = copy.state is not State.HELD
+        changed = copy.hold_reason != reason
+        self._move(copy, State.HELD)
+        copy.hold_reason = reason
+        if reason == "held":
+            self.slots.give_back(copy)
+            copy.delay_ms = settings.held_recheck_ms
+        else:
+            copy.delay_ms = (
+                settings.unavailable_retry_ms
+                if first or changed or copy.delay_ms == 0
+                else min(copy.delay_ms * 2, settings.unavailable_retry_max_ms)
+            )
+        recheck_s = copy.delay_ms / 1000
+        request = copy.request
+        if first or changed:
+            self.counters.incr("held_unavailable" if reason == "unavailable" else "held")
+            if reason == "unavailable":
+                logger.warning(
+                    "Held %s[%s]: claim store unavailable (%s); not run, retrying in %.1f s",
+                    request.name,
+                    request.id,
+                    error,
+                    recheck_s,
+                )
+            else:
+                logger.info(
+                    "Held %s[%s]: claim %s is held by %s; kept unacked, re-checking every %.1f s",
+                    request.name,
+                    request.id,
+                    copy.claim_id,
+                    holder,
+                    recheck_s,
+                )
+            signals.task_held.send(
+                sender=request.task,
+                request=request,
+                reason=reason,
+                claim_id=copy.claim_id,
+                holder=holder,
+                recheck_s=recheck_s,
+            )
+        else:
+            self.counters.incr("rechecks")
+        copy.timer_entry = self._consumer.timer.call_after(
+            recheck_s, self._on_recheck, (copy,), priority=6
+        )
+
+    def _on_recheck(self, copy: Copy) -> None:
+        copy.timer_entry = None
+        if copy.state is State.HELD and self._recheck is not None:
+            self._recheck(copy)
+
+    def _cancel_timer(self, copy: Copy) -> None:
+        entry, copy.timer_entry = copy.timer_entry, None
+        if entry is not None:
+            with contextlib.suppress(Exception):
+                self._consumer.timer.cancel(entry)
+
+    # --- the pool's callbacks ---------------------------------------------------------------
+
+    def started(self, copy: Copy) -> None:
+        """The pool started the copy (``on_accepted``): ``QUEUED`` -> ``RUNNING``."""
+        self._move(copy, State.RUNNING, only_from=frozenset({State.QUEUED}))
+
+    def succeeded(self, copy: Copy, celery_handler: Callable[[], object]) -> None:
+        """The body returned and the result was stored (``on_success``)."""
+        if copy.state is State.STALE:
+            self.counters.incr("fenced_success")
+            self._let_go(copy, "succeeded after it went stale; nothing recorded")
+            return
+        if copy.state not in (State.QUEUED, State.RUNNING):
+            self._repeat(copy, celery_handler)
+            return
+        if copy.guarded:
+            # the pool process recorded the completion before the result was stored
+            self._finish(copy, State.DONE, "succeeded")
+            self.counters.incr("completed")
+            celery_handler()
+            return
+        self._record(copy, "succeeded", celery_handler)
+
+    def failed(
+        self, copy: Copy, exc: BaseException | None, celery_handler: Callable[[], object]
+    ) -> None:
+        """The attempt ended without a success (``on_failure``; ``exc`` unwrapped)."""
+        state = copy.state
+        if state is State.STALE or isinstance(exc, StaleCopy):
+            if isinstance(exc, StaleCopy):
+                self.counters.incr("fenced_success")  # its guard discarded the outcome
+            if state in (State.QUEUED, State.RUNNING):
+                self._go_stale(copy, f"stale copy ended ({type(exc).__name__})", other_owner=True)
+            self._let_go(copy, f"ended ({type(exc).__name__}) after it went stale")
+            return
+        if state not in (State.QUEUED, State.RUNNING):
+            self._repeat(copy, celery_handler)
+            return
+        if isinstance(exc, ClaimUnverified):
+            if exc.phase == "done":
+                # the body returned: the record is written once the store answers, and the
+                # message is acked only then (it may share its record with a live owner)
+                task_ready(copy.request)
+                copy.ack_pending = True
+                self._finish(copy, State.COMPLETING, "body returned, claim unverifiable")
+                self.counters.incr("completion_deferred")
+                return
+            self._hand_back(copy, f"claim unverifiable ({exc.phase})")
+            return
+        if isinstance(exc, _DONE_EXCEPTIONS):
+            self._record(copy, type(exc).__name__.lower(), celery_handler)
+            return
+        why = "rejected" if isinstance(exc, Reject) else f"failed ({type(exc).__name__})"
+        self._release(copy, why)
+        celery_handler()
+
+    def timed_out(self, copy: Copy, soft: bool, celery_handler: Callable[[], object]) -> None:
+        """A time limit fired (``on_timeout``); a hard one releases the claim."""
+        if soft:
+            celery_handler()
+            return
+        if copy.state in (State.QUEUED, State.RUNNING):
+            self._release(copy, "hard time limit")
+        self._repeat(copy, celery_handler)
+
+    @staticmethod
+    def _repeat(copy: Copy, celery_handler: Callable[[], object]) -> None:
+        # A second report of an ended copy (a hard time limit reports twice). Celery's
+        # handler runs again only where it ran the first time: a stale, handed back or
+        # completing copy's message must not be acked, nor a FAILURE stored over another
+        # copy's result.
+        if copy.state in (State.DONE, State.RELEASED, State.SKIPPED):
+            celery_handler()
+
+    def revoked(self, copy: Copy) -> None:
+        """Revoked before it ran: Celery acks it without a callback; release the claim."""
+        if copy.state in (State.QUEUED, State.RUNNING):
+            self.counters.incr("revoked_released")
+            self._release(copy, "revoked")
+
+    # --- the keeper's findings (keeper thread) ----------------------------------------------
+
+    def renewal(self, copy: Copy, outcome: ClaimToken | ClaimTokenError) -> None:
+        """Apply one renewal's outcome: the new token, or a refused one to resolve."""
+        if isinstance(outcome, ClaimToken):
+            copy.token = outcome
+            self.counters.incr("renewals")
+            return
+        with self._lock:
+            if copy.state not in RENEWED or copy.recorded:
+                return  # it ended (or recorded) between the snapshot and the renewal
+        try:
+            assert copy.token is not None
+            found = recover(self.manager, copy.token, outcome, copy.lease_ms)
+        except ClaimError as exc:
+            logger.warning("Claim %s: renewal refused, cannot resolve now: %s", copy.claim_id, exc)
+            return
+        self._resolved(copy, found)
+
+    def _resolved(self, copy: Copy, found: Recovery) -> None:
+        if found.verdict is Verdict.OURS:
+            assert found.token is not None
+            copy.token = found.token
+            if found.reclaimed:
+                self.counters.incr("reclaimed")
+                logger.warning(
+                    "Claim %s: the claim store had lost it (restart or failover); claimed it "
+                    "again (instance %d)",
+                    copy.claim_id,
+                    copy.instance,
+                )
+            if copy.state is State.COMPLETING:
+                self.complete_deferred(copy)
+            return
+        if found.verdict is Verdict.RECORDED:
+            copy.recorded = True
+            if copy.state is State.COMPLETING:
+                self._completed(copy, "deferred completion")
+            return
+        self._lose(copy, found.detail)
+
+    def _lose(self, copy: Copy, detail: str) -> None:
+        """Another copy owns the task now: this one must not start, or is stopped."""
+        state = copy.state
+        if state is State.COMPLETING:
+            # its body ran, but the record could not be written before another copy took
+            # the task: that copy's outcome counts; this one's message is let go
+            logger.warning(
+                "Claim %s: completion not recorded, another copy owns the task now (%s)",
+                copy.claim_id,
+                detail,
+            )
+            self._go_stale(copy, f"completion not recorded ({detail})", other_owner=True)
+            self._let_go(copy, "body ended before another copy took over")
+            return
+        if state is State.WAITING:
+            # never started: it goes through the gate again as a duplicate (held until the
+            # owner finishes, or taken over if it dies)
+            self._on_loop(self._readmit, copy)
+        elif not self._go_stale(copy, f"lease lost ({detail})", other_owner=True):
+            return
+        request = copy.request
+        self.counters.incr("lease_lost")
+        logger.warning(
+            "Claim %s: lease lost (%s); %s[%s] is fenced, its result will not be recorded",
+            copy.claim_id,
+            detail,
+            request.name,
+            request.id,
+        )
+        signals.lease_lost.send(
+            sender=request.task,
+            request=request,
+            token=copy.token,
+            error=StaleCopy(f"claim instance {copy.instance} was taken over ({detail})"),
+        )
+        if state is State.RUNNING:
+            self._stop(copy)
+
+    def complete_deferred(self, copy: Copy) -> None:
+        """Retry a completion the store could not take (``COMPLETING``)."""
+        if copy.state is not State.COMPLETING or copy.token is None:
+            return
+        try:
+            found = record_done(
+                self.manager,
+                copy.token,
+                lease_ms=copy.lease_ms,
+                done_ttl_ms=self.settings.done_ttl_ms,
+            )
+        except ClaimError as exc:
+            logger.debug("Claim %s: completion still deferred: %s", copy.claim_id, exc)
+            return
+        if found.verdict is Verdict.LOST:
+            self._lose(copy, found.detail)
+        else:
+            if found.reclaimed:
+                logger.warning(
+                    "Claim %s: the claim store had lost it; recorded done all the same",
+                    copy.claim_id,
+                )
+            self._completed(copy, "deferred completion")
+
+    def start_overdue(self, copy: Copy) -> None:
+        """The pool did not start the copy in ``claims_start_timeout_ms``: give it up.
+
+        Its claim is released and its message handed back to the broker, so another worker
+        runs it; if the pool starts it later after all, its pool process finds the claim is
+        no longer its own and does not run it.
+        """
+        if not self._go_stale(copy, "not started in time", other_owner=False):
+            return
+        self.counters.incr("start_timeouts")
+        request = copy.request
+        logger.error(
+            "Claim %s: the pool has not started %s[%s] in %.1f s; given up: claim released, "
+            "message handed back to the broker (is the pool stuck?)",
+            copy.claim_id,
+            request.name,
+            request.id,
+            self.settings.start_timeout_ms / 1000,
+        )
+        self._release_claim(copy, "not started in time")
+        self._on_loop(self._requeue, copy)
+
+    def started_late(self, now: float) -> list[Copy]:
+        """The copies queued in the pool for longer than the start timeout."""
+        limit = self.settings.start_timeout_ms / 1000
+        return [c for c in self.copies(State.QUEUED) if now - c.queued_at > limit]
+
+    # --- connection restarts ----------------------------------------------------------------
+
+    def connection_lost(self) -> None:
+        """The consumer's connection is closing (reentrant, no logging).
+
+        Held copies cannot be acked on a new channel and the broker redelivers them: they
+        are dropped. Claims of copies waiting for a lane (they never reached the pool) are
+        released, so their redelivered copies do not wait for a lease nobody will finish.
+        Copies in the pool keep their claims.
+        """
+        if self.lanes is not None:
+            self.lanes.drop_all()
+        for copy in self.copies(State.RECEIVED, State.HELD):
+            self._cancel_timer(copy)
+            with contextlib.suppress(AssertionError):
+                self._move(copy, State.GONE)
+        for copy in self.copies(State.WAITING):
+            with contextlib.suppress(Exception):
+                self._release(copy, "connection closed before it ran")
+        for copy in self.copies():
+            copy.delivery = None
+        self.slots.bind(None, 0)
+
+    # --- endings ----------------------------------------------------------------------------
+
+    def _finish(self, copy: Copy, to: State, why: str) -> bool:
+        """Move a copy in the pool to ``to`` and free its lane slot."""
+        if not self._move(copy, to, only_from=frozenset({State.QUEUED, State.RUNNING})):
+            return False
+        slot, copy.lane_slot = copy.lane_slot, None
+        if slot is not None and self.lanes is not None:
+            # the slot goes back first: the next task of the lane need not wait for the
+            # store write of this one's completion
+            self.lanes.release(slot)
+        logger.debug("Claim %s: %s -> %s", copy.claim_id, why, to.value)
+        return True
+
+    def _record(self, copy: Copy, why: str, celery_handler: Callable[[], object]) -> None:
+        """Record done from this process (retries, replacements, unguarded tasks)."""
+        if not self._finish(copy, State.COMPLETING, why):
+            celery_handler()
+            return
+        assert copy.token is not None
+        try:
+            found = record_done(
+                self.manager,
+                copy.token,
+                lease_ms=copy.lease_ms,
+                done_ttl_ms=self.settings.done_ttl_ms,
+            )
+        except BackendUnavailable as exc:
+            # keep renewing it and retry from the keeper: the attempt is done, and a
+            # duplicate must not take the claim over while the record cannot be written
+            self.counters.incr("completion_deferred")
+            logger.warning("Claim %s: %s, completion deferred: %s", copy.claim_id, why, exc)
+            celery_handler()
+            return
+        except ClaimError as exc:
+            logger.error("Claim %s: could not record completion: %s", copy.claim_id, exc)
+            found = Recovery(Verdict.RECORDED, detail=str(exc))
+        if found.verdict is Verdict.LOST:
+            self._lose(copy, found.detail)
+            return
+        self._completed(copy, why)
+        celery_handler()
+
+    def _completed(self, copy: Copy, why: str) -> None:
+        if not self._move(copy, State.DONE, only_from=frozenset({State.COMPLETING})):
+            return
+        self.counters.incr("completed")
+        logger.debug("Claim %s: %s, recorded done", copy.claim_id, why)
+        if copy.ack_pending:
+            copy.ack_pending = False
+            self._on_loop(copy.request.acknowledge)
+
+    def _release(self, copy: Copy, why: str) -> None:
+        if copy.state is State.WAITING:
+            if self.lanes is not None:
+                self.lanes.forget(copy)
+            self.slots.take_back(copy)
+            self._move(copy, State.RELEASED)
+        elif not self._finish(copy, State.RELEASED, why):
+            return
+        self._release_claim(copy, why)
+
+    def _release_claim(self, copy: Copy, why: str) -> None:
+        if copy.token is None:
+            return
+        try:
+            self.manager.release(copy.token)
+        except ClaimTokenError as exc:
+            logger.debug("Claim %s: already gone at release (%s)", copy.claim_id, exc)
+            return
+        except ClaimError as exc:
+            # nothing to retry: the lease is no longer renewed and expires by itself
+            logger.warning("Claim %s: %s, release failed: %s", copy.claim_id, why, exc)
+            return
+        self.counters.incr("released")
+        logger.debug("Claim %s: %s, released", copy.claim_id, why)
+
+    def _go_stale(self, copy: Copy, why: str, *, other_owner: bool) -> bool:
+        with self._lock:
+            if copy.state not in (State.QUEUED, State.RUNNING, State.COMPLETING):
+                return False
+            copy.state = State.STALE
+            copy.stale_why = why
+            copy.other_owner = other_owner
+        slot, copy.lane_slot = copy.lane_slot, None
+        if slot is not None and self.lanes is not None:
+            self.lanes.release(slot)
+        return True
+
+    def _let_go(self, copy: Copy, why: str) -> None:
+        """End a stale copy without touching another copy's record (``STALE`` -> ``GONE``)."""
+        if not self._move(copy, State.GONE, only_from=frozenset({State.STALE})):
+            return
+        request = copy.request
+        task_ready(request)
+        if copy.handed_back:
+            return
+        self._on_loop(self._settle_stale, copy)
+        logger.warning(
+            "Claim %s: stale copy of %s[%s] %s; nothing stored, message let go",
+            copy.claim_id,
+            request.name,
+            request.id,
+            why,
+        )
+
+    def _settle_stale(self, copy: Copy) -> None:
+        request = copy.request
+        if forget_delivery(request):
+            return  # Redis: the record in unacked is the live owner's too; leave it alone
+        if shares_delivery_tags(getattr(request, "message", None)):
+            return
+        # a delivery of its own: ack it where another copy owns a live lease (that copy is
+        # durable), hand it back otherwise
+        with contextlib.suppress(Exception):
+            if copy.other_owner:
+                request.acknowledge()
+            else:
+                request.reject(requeue=True)
+
+    def _hand_back(self, copy: Copy, why: str) -> None:
+        """The copy did not run and cannot be verified: its message goes back to the broker."""
+        if not self._finish(copy, State.GONE, why):
+            return
+        task_ready(copy.request)
+        self.counters.incr("handed_back")
+        logger.warning(
+            "Claim %s: %s[%s] not run (%s); message handed back to the broker",
+            copy.claim_id,
+            copy.request.name,
+            copy.request.id,
+            why,
+        )
+        self._release_claim(copy, why)
+        self._on_loop(self._requeue, copy)
+
+    def _requeue(self, copy: Copy) -> None:
+        copy.handed_back = True
+        with contextlib.suppress(Exception):
+            copy.request.reject(requeue=True)
+
+    def _readmit(self, copy: Copy) -> None:
+        if copy.state is not State.WAITING or self.lanes is None:
+            return
+        self.lanes.forget(copy)
+        self.slots.take_back(copy)
+        self._move(copy, State.RECEIVED)
+        # a new owner: under its old one the copy would simply re-claim the task
+        copy.owner = new_owner(self.hostname)
+        copy.token = None
+        copy.request.request_dict.pop(REQUEST_KEY, None)
+        if self._recheck is not None:
+            self._recheck(copy)
+
+    def _stop(self, copy: Copy) -> None:
+        """Stop a stale running copy: terminate its pool process where that is possible."""
+        request = copy.request
+        pid = getattr(request, "worker_pid", None)
+        pool = self.pool
+        # Only a separate process can be stopped: thread and solo pools run the task in this
+        # process (worker_pid is ours), where it is fenced instead and its result discarded.
+        if pool is None or not pid or pid == os.getpid():
+            logger.warning(
+                "Claim %s: %s[%s] keeps running fenced; its result will be discarded",
+                copy.claim_id,
+                request.name,
+                request.id,
+            )
+            return
+        # a task that ended meanwhile must not be stopped: its process may already run
+        # another task (the same last-moment race Celery's revoke(terminate=True) has)
+        if copy.state is not State.STALE or result_ready(request):
+            return
+        try:
+            # SIGKILL: a stale copy must not run its cleanup code either (it may write)
+            pool.terminate_job(pid, signal.SIGKILL)
+        except Exception as exc:
+            logger.warning("Claim %s: could not terminate the stale copy: %r", copy.claim_id, exc)
+            return
+        self.counters.incr("stale_terminated")
+        logger.warning(
+            "Claim %s: terminated %s[%s] (pool process %d): another worker owns it now",
+            copy.claim_id,
+            request.name,
+            request.id,
+            pid,
+        )
+
+    def _on_loop(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run a broker call on the consumer's thread."""
+        if threading.get_ident() == self._loop_thread or self._consumer is None:
+            fn(*args)
+        else:
+            self._consumer.call_soon(fn, *args)

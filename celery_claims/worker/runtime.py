@@ -1,0 +1,67 @@
+"""The claim state of one worker: settings, claim manager, counters, lanes, the lifecycle."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.lanes.redis import RedisTaskClaimStore
+from celery_claims.worker.lanes import WorkerLanes
+from celery_claims.worker.lifecycle import Copy, Lifecycle
+from celery_claims.worker.settings import ClaimsSettings
+from celery_claims.worker.signals import Counters
+from celery_claims.worker.store import new_manager
+
+__all__ = ["ClaimsRuntime"]
+
+
+class ClaimsRuntime:
+    """The claim state of one worker.
+
+    Reachable as ``worker.claims`` (the ``WorkController``) and from the consumer as
+    ``consumer.controller.claims``.
+
+    Args:
+        app: the Celery app.
+        settings: the validated settings.
+        hostname: the worker's node name (the first part of every owner string).
+        manager: a claim manager (default: from :func:`~celery_claims.worker.store.new_manager`).
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        settings: ClaimsSettings,
+        hostname: str,
+        manager: RedisClaimManager | None = None,
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.hostname = hostname
+        self.manager = manager if manager is not None else new_manager(settings)
+        self.counters = Counters()
+        #: the worker's lanes, when ``claims_lanes`` is configured
+        self.lanes: WorkerLanes | None = None
+        if settings.lanes:
+            store = RedisTaskClaimStore(
+                client=self.manager.client,
+                lanes=WorkerLanes.store_lanes(settings),
+                prefix=settings.prefix,
+            )
+            self.lanes = WorkerLanes(settings, store, self.counters)
+        #: every delivered copy and its state
+        self.life = Lifecycle(settings, self.manager, self.counters, self.lanes, hostname)
+
+    def live_claims(self) -> list[Copy]:
+        """The copies whose claims are renewed right now."""
+        return self.life.renewed()
+
+    def held_copies(self) -> list[Copy]:
+        """The copies held unacked right now."""
+        return self.life.held()
+
+    def close(self) -> None:
+        """Close the claim store connections (a later call would simply reconnect)."""
+        with contextlib.suppress(Exception):
+            self.manager.client.close()

@@ -1,0 +1,124 @@
+"""The bootsteps, thin as Celery's ``worker/consumer/heart.py``: each starts a service.
+
+- :class:`LeaseKeeper` (worker): reads and checks the settings, creates the worker's
+  :class:`~celery_claims.worker.runtime.ClaimsRuntime` (``worker.claims``), guards the tasks'
+  ``run`` and runs the :class:`~celery_claims.worker.keeper.Keeper` thread.
+- :class:`Gate` (consumer): installs the :class:`~celery_claims.worker.gate.ClaimGate` in
+  front of ``consumer.on_task_request``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from celery import bootsteps
+from celery.utils.log import get_logger
+
+from celery_claims.errors import InvalidArgument
+from celery_claims.safety import check_settings
+from celery_claims.worker.compat import check_versions
+from celery_claims.worker.gate import ClaimGate
+from celery_claims.worker.guard import guard_tasks
+from celery_claims.worker.keeper import Keeper
+from celery_claims.worker.policy import check_task_policies
+from celery_claims.worker.runtime import ClaimsRuntime
+from celery_claims.worker.settings import WORKER_OPTION_NAMES, load_settings
+
+__all__ = ["Gate", "LeaseKeeper", "check_unsafe_settings"]
+
+logger = get_logger("celery_claims.worker")
+
+
+class _Overridden:
+    """``app.conf`` as the worker sees it: command-line ``--claims-*`` values win."""
+
+    def __init__(self, conf: Any, overrides: Mapping[str, Any]) -> None:
+        self._conf = conf
+        self._given = {k: v for k, v in overrides.items() if v is not None}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._given[key] if key in self._given else self._conf.get(key, default)
+
+
+def check_unsafe_settings(conf: Any, overrides: Mapping[str, Any], *, strict: bool) -> None:
+    """Log each unsafe Celery setting with its fix; refuse to start in strict mode.
+
+    Raises:
+        InvalidArgument: ``strict`` and at least one finding; ``name`` is
+            ``claims_strict_settings`` and the message lists every finding.
+    """
+    findings = check_settings(_Overridden(conf, overrides))
+    for finding in findings:
+        logger.warning(
+            "Unsafe setting %s (%s): %s", finding.key, finding.severity.value, finding.message
+        )
+    if strict and findings:
+        listed = "; ".join(f"{f.key}: {f.message}" for f in findings)
+        raise InvalidArgument(
+            "claims_strict_settings",
+            f"the worker refuses to start with {len(findings)} unsafe setting(s): {listed}",
+        )
+
+
+class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
+    """Worker bootstep: reads the settings, creates ``worker.claims``, runs the keeper.
+
+    Settings are validated here, while the worker starts, so a bad ``claims_*`` value stops
+    the worker with an error naming the key instead of failing on the first task.
+    """
+
+    label = "Claims"
+    requires = ("celery.worker.components:Timer",)
+
+    def __init__(self, w: Any, **kwargs: Any) -> None:
+        w.claims = None
+        overrides = {name: kwargs.get(name) for name in WORKER_OPTION_NAMES}
+        settings = load_settings(w.app, overrides)
+        check_task_policies(w.app, settings)
+        check_unsafe_settings(w.app.conf, overrides, strict=settings.strict_settings)
+        check_versions()
+        self.runtime = ClaimsRuntime(w.app, settings, w.hostname)
+        self.keeper = Keeper(self.runtime)
+        # before the pool forks and the consumer builds its tracers, which capture task.run
+        guard_tasks(w.app, settings, self.runtime.manager)
+        w.claims = self.runtime
+        super().__init__(w, **kwargs)
+
+    def start(self, w: Any) -> None:
+        self.runtime.life.pool = getattr(w, "pool", None)
+        self.keeper.start()
+
+    def stop(self, w: Any) -> None:
+        self.keeper.stop()
+
+    terminate = stop
+    shutdown = stop
+
+
+class Gate(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
+    """Consumer bootstep installing the :class:`ClaimGate` (written like Celery's ``Heart``)."""
+
+    label = "Claim gate"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        runtime = getattr(getattr(c, "controller", None), "claims", None)
+        self.gate: ClaimGate | None = None
+        c.claim_gate = None
+        if isinstance(runtime, ClaimsRuntime):
+            # wrapped here, before the Tasks step builds the strategies that capture it
+            self.gate = ClaimGate(c, runtime, c.on_task_request)
+            c.on_task_request = self.gate
+            c.claim_gate = self.gate
+        super().__init__(c, **kwargs)
+
+    def start(self, c: Any) -> None:
+        if self.gate is not None:
+            self.gate.resume()
+
+    def stop(self, c: Any) -> None:
+        if self.gate is not None:
+            self.gate.drop_connection_state()
+
+    shutdown = stop
