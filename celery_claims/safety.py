@@ -14,6 +14,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from celery_claims.errors import InvalidArgument
 
@@ -215,5 +216,35 @@ def check_settings(conf: Mapping[str, Any] | Any) -> list[Finding]:
                 "is held and then acknowledged unrun. Set it to False.",
             )
         )
+    backend = conf.get("result_backend", None)
+    if (
+        isinstance(backend, str)
+        and _server(backend) is not None
+        and _server(backend) == _server(_broker_url(conf))
+        and not conf.get("result_backend_always_retry", False)
+    ):
+        findings.append(
+            Finding(
+                "result_backend_always_retry",
+                Severity.WARNING,
+                "result_backend_always_retry is off and the result backend is the broker's "
+                "server: when that server restarts just as a task ends, storing its result "
+                "fails and Celery reports the task as failed although its body ran (the claim "
+                "still records it done, so it does not run again, but its result is lost). "
+                "Set result_backend_always_retry = True.",
+            )
+        )
     findings.sort(key=lambda f: f.severity != Severity.ERROR)
     return findings
+
+
+def _server(url: str) -> tuple[str, int | None] | None:
+    """(host, port) of a Redis-like URL, or None when it names no network server."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.hostname:
+        return None
+    return parts.hostname, port

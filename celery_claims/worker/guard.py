@@ -1,18 +1,26 @@
-"""The claim in task code, and the guard that keeps a stale copy's result out of the backend.
+"""The claim in task code, and the guard around every claimed task's body.
 
 The gate puts a :class:`~celery_claims.fencing.TaskClaim` under ``"claim"`` in the request
 dict it hands to the pool. That dict is what crosses to a prefork child (pickled with the
 body), and Celery's tracer builds ``self.request`` (a ``Context``) from it in every pool, so
 ``self.request.claim`` works the same in prefork children, threads and solo.
 
-A copy whose lease was lost must not store its result: the tracer writes the result (and
-sends chain callbacks) from the process that ran the task, before the worker's main process
-hears of it. So every claimed task's ``run`` is wrapped once, at worker start: before the body
-starts and after it ends, if the lease handed to the pool may have run out (the time is past
-its ``expires_at`` minus a safety margin), the wrapper renews the claim itself, one round
-trip; a refused renewal means another copy owns the task now, and the wrapper raises
-``Ignore``, so nothing is stored, no callback is sent, and the worker acks the message. A task
-that ends well within its lease, the usual case, pays no round trip.
+Every claimed task's ``run`` is wrapped once, at worker start (before the pool forks), and the
+wrapper runs in the process that runs the body:
+
+- before the body, if the lease handed to the pool may have run out (the time is past its
+  ``expires_at`` minus a margin for clock skew), it renews the claim, one round trip: a copy
+  another copy owns raises :class:`StaleCopy` and never starts;
+- after the body returns, it records the completion (one round trip, which checks the claim
+  too) before the tracer stores the result and sends chain callbacks, so a result backend
+  failure after the body can never make the attempt run again, and a stale copy (another
+  copy owns the task) raises :class:`StaleCopy` instead of storing its result;
+- after the body raised, the same check as before the body.
+
+A store that does not answer is waited for (bounded by ``claims_start_timeout_ms``), then
+:class:`ClaimUnverified` is raised: fail closed, never run or store unverified. Both are
+``Ignore`` subclasses: Celery stores nothing and sends no callback; the worker's lifecycle
+decides what happens to the message.
 """
 
 from __future__ import annotations

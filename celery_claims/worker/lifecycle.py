@@ -694,6 +694,7 @@ class Lifecycle:
             self.settings.start_timeout_ms / 1000,
         )
         self._release_claim(copy, "not started in time")
+        copy.handed_back = True  # before the pool can report it: its end must not settle it
         self._on_loop(self._requeue, copy)
 
     def started_late(self, now: float) -> list[Copy]:
@@ -858,10 +859,10 @@ class Lifecycle:
             why,
         )
         self._release_claim(copy, why)
+        copy.handed_back = True
         self._on_loop(self._requeue, copy)
 
     def _requeue(self, copy: Copy) -> None:
-        copy.handed_back = True
         with contextlib.suppress(Exception):
             copy.request.reject(requeue=True)
 

@@ -63,6 +63,12 @@ def test_the_safe_baseline_has_no_finding() -> None:
         ({"worker_prefetch_multiplier": 0}, "worker_prefetch_multiplier", Severity.WARNING,
          "unlimited (0)"),
         (
+            {"result_backend": "redis://localhost:6379/1"},
+            "result_backend_always_retry",
+            Severity.WARNING,
+            "Set result_backend_always_retry = True",
+        ),
+        (
             {"worker_cancel_long_running_tasks_on_connection_loss": True},
             "worker_cancel_long_running_tasks_on_connection_loss",
             Severity.WARNING,
@@ -86,6 +92,16 @@ def test_visibility_checks_apply_to_the_redis_broker_only() -> None:
                     claims_refresh_unacked=False)  # fmt: skip
 
     assert amqp == []
+
+
+def test_a_result_backend_on_another_server_or_retrying_needs_no_retry_advice() -> None:
+    assert findings(result_backend="redis://other-host:6379/0") == []
+    assert findings(result_backend="redis://localhost:6380/0") == []
+    assert findings(result_backend="db+postgresql://localhost/test") == []
+    assert (
+        findings(result_backend="redis://localhost:6379/1", result_backend_always_retry=True)
+        == []
+    )
 
 
 def test_errors_come_before_warnings() -> None:
