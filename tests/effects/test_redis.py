@@ -193,10 +193,10 @@ def test_two_racing_copies_apply_exactly_once_every_time(client: Any, tag: str) 
 
 def _twin(client: Any) -> Any:
     """A second client of the same server or cluster (its own connections)."""
-    kwargs = client.get_connection_kwargs() if not _cluster(client) else {}
     if _cluster(client):
         node = client.get_default_node()
         return redis.RedisCluster(host=node.host, port=node.port)  # type: ignore[abstract]
+    kwargs = client.get_connection_kwargs()
     return redis.Redis(host=kwargs["host"], port=kwargs["port"])
 
 
