@@ -99,8 +99,7 @@ def test_a_result_backend_on_another_server_or_retrying_needs_no_retry_advice() 
     assert findings(result_backend="redis://localhost:6380/0") == []
     assert findings(result_backend="db+postgresql://localhost/test") == []
     assert (
-        findings(result_backend="redis://localhost:6379/1", result_backend_always_retry=True)
-        == []
+        findings(result_backend="redis://localhost:6379/1", result_backend_always_retry=True) == []
     )
 
 
