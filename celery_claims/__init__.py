@@ -27,6 +27,7 @@ from celery_claims.model import (
     ClaimStats,
     ClaimToken,
     GateResult,
+    GivenUp,
     Success,
     TookOver,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "ClaimStats",
     "ClaimToken",
     "GateResult",
+    "GivenUp",
     "Success",
     "TookOver",
     # errors

@@ -348,6 +348,12 @@ def _describe(view: ClaimView, now: int) -> str:
             head + f"DONE by {view.owner} (instance {view.instance}) at {_utc(view.since_ms)}; "
             f"later copies are acked unrun until {_utc(view.until_ms)}"
         )
+    if view.state == "given_up":
+        return (
+            head + f"GIVEN UP as poison at {_utc(view.since_ms)} (takeovers: {view.takeovers}, "
+            f"last holder whose lease ran out: {view.owner}); later copies are acked unrun "
+            f"until {_utc(view.until_ms)}"
+        )
     if view.state == "running":
         return (
             head + f"RUNNING, held by {view.owner} (instance {view.instance}) since "

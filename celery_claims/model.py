@@ -13,7 +13,9 @@ __all__ = [
     "ClaimStats",
     "ClaimStatus",
     "ClaimToken",
+    "DEFAULT_GIVEN_UP_TTL_MS",
     "GateResult",
+    "GivenUp",
     "Success",
     "TookOver",
 ]
@@ -29,6 +31,7 @@ class ClaimStatus(enum.IntEnum):
     STALE = 5
     NOT_OWNER = 6
     DONE = 7
+    GIVEN_UP = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +75,10 @@ class Success:
         return True
 
 
-@dataclass(frozen=True, slots=True)
-class AlreadyClaimed:
-    """Another owner holds an unexpired claim on the task."""
+class _NothingAcquired:
+    """What every refusal answers: ``acquired`` is false and there is no token."""
 
-    owner: str
-    expires_at: int
+    __slots__ = ()
 
     @property
     def acquired(self) -> Literal[False]:
@@ -88,6 +89,14 @@ class AlreadyClaimed:
     def token(self) -> None:
         """No token: nothing was acquired."""
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class AlreadyClaimed(_NothingAcquired):
+    """Another owner holds an unexpired claim on the task."""
+
+    owner: str
+    expires_at: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +113,7 @@ class TookOver:
 
 
 @dataclass(frozen=True, slots=True)
-class AlreadyDone:
+class AlreadyDone(_NothingAcquired):
     """The task was completed within the retention period; it must not run again.
 
     Only returned by ``claim_unless_done``, never by the original ``claim``.
@@ -114,22 +123,36 @@ class AlreadyDone:
     instance: int
     done_at: int
 
-    @property
-    def acquired(self) -> Literal[False]:
-        """Always false: nothing was acquired."""
-        return False
 
-    @property
-    def token(self) -> None:
-        """No token: nothing was acquired."""
-        return None
+@dataclass(frozen=True, slots=True)
+class GivenUp(_NothingAcquired):
+    """The task was given up as poison: its claim was taken over too often; it must not run.
+
+    Only returned by ``claim_unless_done`` with ``max_takeovers`` set (the copy that would have
+    made one takeover too many), and for every later copy while the record is kept; ``done_record``
+    answers it too. The expired claim is removed when the task is given up.
+
+    Attributes:
+        previous_owner: the owner whose expired claim was the last one (the last worker lost).
+        takeovers: how many takeovers of the task had been granted when it was given up.
+        given_up_at: epoch ms when it was given up.
+    """
+
+    previous_owner: str
+    takeovers: int
+    given_up_at: int
 
 
 #: The outcome of ``ClaimManager.claim``.
 ClaimResult: TypeAlias = Success | AlreadyClaimed | TookOver
 
-#: The outcome of ``ClaimManager.claim_unless_done``: a claim result, or the completion record.
-GateResult: TypeAlias = Success | AlreadyClaimed | TookOver | AlreadyDone
+#: The outcome of ``ClaimManager.claim_unless_done``: a claim result, or the task's record
+#: (completed, or given up as poison).
+GateResult: TypeAlias = Success | AlreadyClaimed | TookOver | AlreadyDone | GivenUp
+
+#: How long a given-up record is kept by default, ms: the default completion retention, since a
+#: later copy of a given-up task may arrive as late as one of a completed task.
+DEFAULT_GIVEN_UP_TTL_MS = 24 * 3600 * 1000
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,12 +92,16 @@ class ClaimView:
         task_id: the Celery task id.
         attempt: ``"<retries>.<replaced nesting>"`` (``"0.0"`` for the first attempt).
         state: ``"running"`` (live lease), ``"expired"`` (lease ran out, not yet taken over
-            or cleaned up) or ``"done"`` (completion recorded).
-        owner: the execution attempt (``hostname/pid/nonce``) that holds or completed it.
-        instance: the fencing number.
-        since_ms: epoch ms the claim was taken (``running``/``expired``) or completed (``done``).
-        until_ms: epoch ms the lease ends, or the completion record is kept until.
+            or cleaned up), ``"done"`` (completion recorded) or ``"given_up"`` (taken over
+            too often: a poison task, never run again while the record is kept).
+        owner: the execution attempt (``hostname/pid/nonce``) that holds or completed it; for
+            ``given_up``, the last one whose lease ran out.
+        instance: the fencing number (0 for ``given_up``: the record has none).
+        since_ms: epoch ms the claim was taken (``running``/``expired``), completed (``done``)
+            or given up (``given_up``).
+        until_ms: epoch ms the lease ends, or the record is kept until.
         remaining_ms: lease left (``running``), else 0.
+        takeovers: for ``given_up``, the takeovers granted before it was given up, else 0.
     """
 
     queue: str
@@ -109,6 +113,7 @@ class ClaimView:
     since_ms: int
     until_ms: int
     remaining_ms: int
+    takeovers: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready form."""
@@ -125,19 +130,34 @@ def _split_claim_id(claim_task_id: str) -> tuple[str, str]:
 
 
 def _view(queue: str, field_name: str, raw: Any, now_ms: int, *, done: bool) -> ClaimView:
-    # entries are "instance:created_at:expires_at:owner" and "instance:done_at:until:owner"
-    # (see claims/keys.py); the owner may itself contain ":", so split three times only
+    # entries are "instance:created_at:expires_at:owner", records "instance:done_at:until:owner"
+    # or, given up, "0:given_up_at:until:takeovers:owner" (see claims/keys.py); the owner may
+    # itself contain ":", so split three times only
     instance, first, second, owner = _text(raw).split(":", 3)
     task_id, attempt = _split_claim_id(field_name)
     until = int(second)
-    if done:
+    takeovers = 0
+    if done and instance == "0":
+        state, remaining = "given_up", 0
+        count, owner = owner.split(":", 1)
+        takeovers = int(count)
+    elif done:
         state, remaining = "done", 0
     elif now_ms < until:
         state, remaining = "running", until - now_ms
     else:
         state, remaining = "expired", 0
     return ClaimView(
-        queue, task_id, attempt, state, owner, int(instance), int(first), until, remaining
+        queue,
+        task_id,
+        attempt,
+        state,
+        owner,
+        int(instance),
+        int(first),
+        until,
+        remaining,
+        takeovers,
     )
 
 
@@ -316,12 +336,14 @@ class JournalEvent:
         event: ``"skipped"`` (acked without running), ``"held"`` (kept unacked),
             ``"took_over"`` (ran after another owner's lease expired), ``"lease_lost"``
             (fenced while running), or ``"acquired"`` (ran; only with ``record_acquired``).
-        reason: for ``skipped``: ``"done"``; for ``held``: ``"held"`` (another lease is live)
-            or ``"unavailable"`` (the claim store was down); else empty.
+        reason: for ``skipped``: ``"done"`` or ``"given_up"`` (a poison task); for ``held``:
+            ``"held"`` (another lease is live) or ``"unavailable"`` (the claim store was
+            down); else empty.
         worker: the worker's node name.
         claim_id: ``queue/task:retries:nesting``.
-        other: the other party: the holder (``held``), the completing owner (``skipped``),
-            the previous owner (``took_over``); empty if unknown.
+        other: the other party: the holder (``held``), the completing owner (``skipped``, or
+            the last holder when given up), the previous owner (``took_over``); empty if
+            unknown.
         instance: the fencing number involved (0 if none).
     """
 
@@ -335,6 +357,11 @@ class JournalEvent:
 
     def describe(self) -> str:
         """One line for humans."""
+        if self.event == "skipped" and self.reason == "given_up":
+            return (
+                f"copy acked without running on {self.worker}: the task was given up as "
+                f"poison (taken over too often; last holder {self.other})"
+            )
         if self.event == "skipped":
             return (
                 f"copy acked without running on {self.worker}: already done by {self.other} "
@@ -477,7 +504,8 @@ def _on_skipped(
             reason,
             _hostname(request),
             claim_id,
-            str(getattr(record, "owner", "") or ""),
+            # a completion record names its owner, a given-up record the last holder
+            str(getattr(record, "owner", "") or getattr(record, "previous_owner", "") or ""),
             int(getattr(record, "instance", 0) or 0),
         ),
     )
@@ -611,6 +639,11 @@ def describe_views(views: Iterable[ClaimView]) -> list[str]:
         if v.state == "done":
             lines.append(
                 f"{v.queue}: attempt {v.attempt} done by {v.owner} (instance {v.instance})"
+            )
+        elif v.state == "given_up":
+            lines.append(
+                f"{v.queue}: attempt {v.attempt} given up as poison (takeovers: {v.takeovers}, "
+                f"last holder {v.owner})"
             )
         elif v.state == "running":
             lines.append(

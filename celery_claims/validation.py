@@ -11,8 +11,10 @@ from celery_claims.model import ClaimToken
 __all__ = [
     "MAX_ID_BYTES",
     "MAX_LEASE_MS",
+    "MAX_TAKEOVERS",
     "require_id",
     "require_limit",
+    "require_max_takeovers",
     "require_ms",
     "require_token",
     "require_tokens",
@@ -23,6 +25,9 @@ MAX_ID_BYTES = 1024
 
 #: Longest lease or extension accepted: 30 days. Leases are renewed, never set for ages.
 MAX_LEASE_MS = 30 * 24 * 3600 * 1000
+
+#: Largest takeover limit accepted; a limit is a handful, this only keeps it a sane int.
+MAX_TAKEOVERS = 2**31 - 1
 
 #: Largest instance or timestamp a token may carry: exact in a Lua (double) number.
 MAX_TOKEN_NUMBER = 2**53
@@ -85,3 +90,16 @@ def require_limit(limit: Any) -> int | None:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise InvalidArgument("limit", f"must be a positive int or None, got {limit!r:.80}")
     return limit
+
+
+def require_max_takeovers(value: Any) -> int | None:
+    """Return ``value`` if it is ``None`` (no limit) or a non-negative int of takeovers."""
+    # bool is an int subclass: ``max_takeovers=True`` is a bug, never a limit of one
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TAKEOVERS
+    ):
+        raise InvalidArgument(
+            "max_takeovers",
+            f"must be None or an int in 0..{MAX_TAKEOVERS}, got {value!r:.80}",
+        )
+    return value

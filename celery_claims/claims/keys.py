@@ -73,7 +73,12 @@ class QueueKeys:
 
     @cached_property
     def done(self) -> str:
-        """Hash: task id -> completion record ``instance:done_at:until:owner``."""
+        """Hash: task id -> completion record ``instance:done_at:until:owner``.
+
+        A task given up as poison has the record ``0:given_up_at:until:takeovers:owner``:
+        instance 0 is never issued, so it marks the record as given up, and a reader that only
+        knows completion records still reads it as "done" (acked without running).
+        """
         return f"{self.tag}:d"
 
     @cached_property
@@ -82,16 +87,43 @@ class QueueKeys:
         return f"{self.tag}:x"
 
     @cached_property
+    def takeovers(self) -> str:
+        """Hash: task id -> takeovers of its claim so far (only with a takeover limit)."""
+        return f"{self.tag}:t"
+
+    @cached_property
     def claim_keys(self) -> list[str]:
         """KEYS of claim.lua."""
-        return [self.claims, self.expiries, self.counter, self.stats, self.done]
+        return [
+            self.claims,
+            self.expiries,
+            self.counter,
+            self.stats,
+            self.done,
+            self.takeovers,
+            self.done_expiries,
+        ]
 
     @cached_property
     def release_keys(self) -> list[str]:
         """KEYS of release.lua."""
-        return [self.claims, self.expiries, self.stats, self.done, self.done_expiries]
+        return [
+            self.claims,
+            self.expiries,
+            self.stats,
+            self.done,
+            self.done_expiries,
+            self.takeovers,
+        ]
 
     @cached_property
     def cleanup_keys(self) -> list[str]:
         """KEYS of cleanup.lua."""
-        return [self.claims, self.expiries, self.stats, self.done, self.done_expiries]
+        return [
+            self.claims,
+            self.expiries,
+            self.stats,
+            self.done,
+            self.done_expiries,
+            self.takeovers,
+        ]

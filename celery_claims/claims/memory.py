@@ -15,6 +15,7 @@ from celery_claims.claims.status import token_error
 from celery_claims.clock import Clock, system_clock_ms
 from celery_claims.errors import ClaimTokenError
 from celery_claims.model import (
+    DEFAULT_GIVEN_UP_TTL_MS,
     AlreadyClaimed,
     AlreadyDone,
     ClaimResult,
@@ -22,12 +23,14 @@ from celery_claims.model import (
     ClaimStatus,
     ClaimToken,
     GateResult,
+    GivenUp,
     Success,
     TookOver,
 )
 from celery_claims.validation import (
     require_id,
     require_limit,
+    require_max_takeovers,
     require_ms,
     require_token,
     require_tokens,
@@ -42,7 +45,9 @@ class _Queue:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     claims: dict[str, ClaimToken] = field(default_factory=dict)
-    done: dict[str, tuple[AlreadyDone, int]] = field(default_factory=dict)
+    done: dict[str, tuple[AlreadyDone | GivenUp, int]] = field(default_factory=dict)
+    #: takeovers granted per task, counted only under a takeover limit; never outlives its claim
+    takeovers: dict[str, int] = field(default_factory=dict)
     last_instance: int = 0
     stats: ClaimStats = field(default_factory=ClaimStats)
 
@@ -82,16 +87,27 @@ class MemoryClaimManager:
     def claim(self, queue_id: str, task_id: str, owner: str, lease_ms: int) -> ClaimResult:
         """See :meth:`celery_claims.ClaimManager.claim`."""
         result = self._claim(queue_id, task_id, owner, lease_ms, honour_done=False)
-        assert not isinstance(result, AlreadyDone)
+        # without records or a takeover limit, only the original's results are possible
+        assert isinstance(result, (Success, AlreadyClaimed, TookOver))
         return result
 
     def _claim(
-        self, queue_id: str, task_id: str, owner: str, lease_ms: int, *, honour_done: bool
+        self,
+        queue_id: str,
+        task_id: str,
+        owner: str,
+        lease_ms: int,
+        *,
+        honour_done: bool,
+        max_takeovers: int | None = None,
+        given_up_ttl_ms: int = DEFAULT_GIVEN_UP_TTL_MS,
     ) -> GateResult:
         require_id("queue_id", queue_id)
         require_id("task_id", task_id)
         require_id("owner", owner)
         require_ms("lease_ms", lease_ms)
+        require_max_takeovers(max_takeovers)
+        require_ms("given_up_ttl_ms", given_up_ttl_ms)
         queue = self._queue(queue_id)
         with queue.lock:
             now = self._clock()
@@ -107,6 +123,11 @@ class MemoryClaimManager:
                     self._count(queue, contentions=1)
                     return AlreadyClaimed(owner=current.owner, expires_at=current.expires_at)
                 previous_owner = current.owner
+                if max_takeovers is not None:
+                    taken = queue.takeovers.get(task_id, 0)
+                    if taken >= max_takeovers:
+                        return self._give_up(queue, task_id, current, taken, now, given_up_ttl_ms)
+                    queue.takeovers[task_id] = taken + 1
             queue.last_instance += 1
             token = ClaimToken(queue_id, task_id, owner, queue.last_instance, now, now + lease_ms)
             queue.claims[task_id] = token
@@ -115,6 +136,17 @@ class MemoryClaimManager:
                 return TookOver(previous_owner=previous_owner, token=token)
             self._count(queue, successes=1)
             return Success(token=token)
+
+    def _give_up(
+        self, queue: _Queue, task_id: str, expired: ClaimToken, taken: int, now: int, ttl_ms: int
+    ) -> GivenUp:
+        """One takeover too many: drop the expired claim and its count, keep a given-up record."""
+        del queue.claims[task_id]
+        queue.takeovers.pop(task_id, None)
+        record = GivenUp(previous_owner=expired.owner, takeovers=taken, given_up_at=now)
+        if ttl_ms > 0:
+            queue.done[task_id] = (record, now + ttl_ms)
+        return record
 
     def _check(self, queue: _Queue, task_id: str, token: ClaimToken) -> ClaimToken:
         """The stored claim ``token`` refers to; errors in the original's order."""
@@ -137,6 +169,7 @@ class MemoryClaimManager:
         with queue.lock:
             current = self._check(queue, token.task_id, token)
             del queue.claims[token.task_id]
+            queue.takeovers.pop(token.task_id, None)
             self._count(queue, acks=1)
             if done_ttl_ms is not None:
                 now = self._clock()
@@ -189,6 +222,7 @@ class MemoryClaimManager:
                 )[: max(budget - removed, 0)]
                 for _, task_id in expired:
                     del queue.claims[task_id]
+                    queue.takeovers.pop(task_id, None)
                 self._count(queue, expirations=len(expired))
                 removed += len(expired)
                 for task_id in [t for t, (_, until) in queue.done.items() if now >= until]:
@@ -219,17 +253,32 @@ class MemoryClaimManager:
     # --- additions for the Celery integration ---------------------------------------------
 
     def claim_unless_done(
-        self, queue_id: str, task_id: str, owner: str, lease_ms: int
+        self,
+        queue_id: str,
+        task_id: str,
+        owner: str,
+        lease_ms: int,
+        *,
+        max_takeovers: int | None = None,
+        given_up_ttl_ms: int = DEFAULT_GIVEN_UP_TTL_MS,
     ) -> GateResult:
         """See :meth:`celery_claims.ClaimManager.claim_unless_done`."""
-        return self._claim(queue_id, task_id, owner, lease_ms, honour_done=True)
+        return self._claim(
+            queue_id,
+            task_id,
+            owner,
+            lease_ms,
+            honour_done=True,
+            max_takeovers=max_takeovers,
+            given_up_ttl_ms=given_up_ttl_ms,
+        )
 
     def complete(self, token: ClaimToken, done_ttl_ms: int) -> None:
         """See :meth:`celery_claims.ClaimManager.complete`."""
         require_ms("done_ttl_ms", done_ttl_ms)
         self._release(token, done_ttl_ms=done_ttl_ms)
 
-    def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | None:
+    def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | GivenUp | None:
         """See :meth:`celery_claims.ClaimManager.done_record`."""
         require_id("queue_id", queue_id)
         require_id("task_id", task_id)
@@ -237,7 +286,7 @@ class MemoryClaimManager:
         with queue.lock:
             return self._live_done(queue, task_id, self._clock())
 
-    def _live_done(self, queue: _Queue, task_id: str, now: int) -> AlreadyDone | None:
+    def _live_done(self, queue: _Queue, task_id: str, now: int) -> AlreadyDone | GivenUp | None:
         entry = queue.done.get(task_id)
         return entry[0] if entry is not None and now < entry[1] else None
 

@@ -6,7 +6,15 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from celery_claims.errors import ClaimTokenError
-from celery_claims.model import AlreadyDone, ClaimResult, ClaimStats, ClaimToken, GateResult
+from celery_claims.model import (
+    DEFAULT_GIVEN_UP_TTL_MS,
+    AlreadyDone,
+    ClaimResult,
+    ClaimStats,
+    ClaimToken,
+    GateResult,
+    GivenUp,
+)
 
 __all__ = ["ClaimManager"]
 
@@ -36,6 +44,8 @@ class ClaimManager(Protocol):
     def release(self, token: ClaimToken) -> None:
         """Remove the claim ``token`` describes (an acknowledgement). Expiry is not checked.
 
+        The task's takeover count (see ``claim_unless_done``) goes with it.
+
         Raises:
             ClaimNotFound: no claim exists for the task.
             StaleClaimToken: the claim was re-claimed or taken over since ``token`` was issued.
@@ -62,6 +72,8 @@ class ClaimManager(Protocol):
     def cleanup_expired(self, *, limit: int | None = None) -> int:
         """Remove expired claims of every queue; count them in ``expirations``; return the count.
 
+        Their takeover counts go with them, and records past their retention are purged.
+
         Args:
             limit: stop after removing about this many (``None``: remove them all).
         """
@@ -82,20 +94,56 @@ class ClaimManager(Protocol):
     # --- additions for the Celery integration -------------------------------------------------
 
     def claim_unless_done(
-        self, queue_id: str, task_id: str, owner: str, lease_ms: int
+        self,
+        queue_id: str,
+        task_id: str,
+        owner: str,
+        lease_ms: int,
+        *,
+        max_takeovers: int | None = None,
+        given_up_ttl_ms: int = DEFAULT_GIVEN_UP_TTL_MS,
     ) -> GateResult:
-        """Like ``claim``, but answer ``AlreadyDone`` if the task has a completion record."""
+        """Like ``claim``, but answer the task's record instead when it has a live one.
+
+        A live completion record answers ``AlreadyDone``, a live given-up record ``GivenUp``.
+        With ``max_takeovers`` set, every ``TookOver`` of the task is counted; the takeover that
+        would make the count exceed ``max_takeovers`` is refused: the expired claim and the
+        count are removed, a given-up record is kept for ``given_up_ttl_ms``, and the answer is
+        ``GivenUp`` (so 0 refuses the first takeover). ``None`` neither counts nor limits.
+
+        Args:
+            queue_id: the task's queue.
+            task_id: the task.
+            owner: the execution attempt asking.
+            lease_ms: the lease if the claim is granted.
+            max_takeovers: takeovers granted before the task is given up, or ``None``.
+            given_up_ttl_ms: how long a given-up record answers later copies (0: not kept).
+
+        Returns:
+            ``Success``, ``TookOver``, ``AlreadyClaimed``, ``AlreadyDone`` or ``GivenUp``.
+
+        Raises:
+            InvalidArgument: as ``claim``; ``max_takeovers`` not ``None`` or an int >= 0 (a
+                bool is refused); ``given_up_ttl_ms`` out of range.
+            BackendUnavailable: the claim store could not be reached.
+        """
         ...
 
     def complete(self, token: ClaimToken, done_ttl_ms: int) -> None:
         """Release the claim and keep a completion record for ``done_ttl_ms``, atomically.
 
+        Like ``release``, it clears the task's takeover count.
+
         Raises the same errors as ``release``; on error nothing is recorded.
         """
         ...
 
-    def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | None:
-        """The task's completion record, if one is retained."""
+    def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | GivenUp | None:
+        """The task's live record, as ``claim_unless_done`` would answer it.
+
+        ``AlreadyDone`` for a completed task, ``GivenUp`` for one given up as poison, ``None``
+        when no record is retained.
+        """
         ...
 
     def renew(

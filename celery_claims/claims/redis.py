@@ -33,6 +33,7 @@ from celery_claims.errors import (
     InvalidArgument,
 )
 from celery_claims.model import (
+    DEFAULT_GIVEN_UP_TTL_MS,
     AlreadyClaimed,
     AlreadyDone,
     ClaimResult,
@@ -40,12 +41,14 @@ from celery_claims.model import (
     ClaimStatus,
     ClaimToken,
     GateResult,
+    GivenUp,
     Success,
     TookOver,
 )
 from celery_claims.validation import (
     require_id,
     require_limit,
+    require_max_takeovers,
     require_ms,
     require_token,
     require_tokens,
@@ -257,37 +260,51 @@ class RedisClaimManager:
 
     def claim(self, queue_id: str, task_id: str, owner: str, lease_ms: int) -> ClaimResult:
         """See :meth:`celery_claims.ClaimManager.claim`."""
-        result = self._claim(queue_id, task_id, owner, lease_ms, honour_done=False)
-        assert not isinstance(result, AlreadyDone)
-        return result
-
-    def _claim(
-        self, queue_id: str, task_id: str, owner: str, lease_ms: int, *, honour_done: bool
-    ) -> GateResult:
-        result = self.execute(self.claim_call(queue_id, task_id, owner, lease_ms, honour_done))
-        # a refusal wrote only counters: nothing worth waiting for
+        result = self.execute(self.claim_call(queue_id, task_id, owner, lease_ms, False))
+        # without records or a takeover limit, claim.lua answers only the original's results
+        assert isinstance(result, (Success, AlreadyClaimed, TookOver))
         return self._replicated(result) if result.acquired else result
 
     def claim_call(
-        self, queue_id: str, task_id: str, owner: str, lease_ms: int, honour_done: bool = True
+        self,
+        queue_id: str,
+        task_id: str,
+        owner: str,
+        lease_ms: int,
+        honour_done: bool = True,
+        *,
+        max_takeovers: int | None = None,
+        given_up_ttl_ms: int = DEFAULT_GIVEN_UP_TTL_MS,
     ) -> ScriptCall[GateResult]:
         """The checked, unsent call of :meth:`claim_unless_done` (or of :meth:`claim`).
 
-        Registers the queue first (one round trip, once per queue and process).
+        Registers the queue first (one round trip, once per queue and process). With
+        ``honour_done=False`` records are ignored, so a given-up task is only refused by the
+        call that gives it up: pass ``max_takeovers`` with ``honour_done=True``.
 
         Raises:
-            InvalidArgument: as :meth:`claim`.
+            InvalidArgument: as :meth:`claim_unless_done`.
             BackendUnavailable: the queue could not be registered.
         """
         keys = self.keys(queue_id)
         require_id("task_id", task_id)
         require_id("owner", owner)
         require_ms("lease_ms", lease_ms)
+        limit = require_max_takeovers(max_takeovers)
+        require_ms("given_up_ttl_ms", given_up_ttl_ms)
         self._register(queue_id)
         return ScriptCall(
             self._scripts["claim"],
             keys.claim_keys,
-            [task_id, owner, lease_ms, self._now(), "1" if honour_done else "0"],
+            [
+                task_id,
+                owner,
+                lease_ms,
+                self._now(),
+                "1" if honour_done else "0",
+                "" if limit is None else limit,
+                given_up_ttl_ms,
+            ],
             partial(_gate_result, queue_id=queue_id, task_id=task_id, owner=owner),
         )
 
@@ -428,10 +445,30 @@ class RedisClaimManager:
     # --- additions for the Celery integration ---------------------------------------------
 
     def claim_unless_done(
-        self, queue_id: str, task_id: str, owner: str, lease_ms: int
+        self,
+        queue_id: str,
+        task_id: str,
+        owner: str,
+        lease_ms: int,
+        *,
+        max_takeovers: int | None = None,
+        given_up_ttl_ms: int = DEFAULT_GIVEN_UP_TTL_MS,
     ) -> GateResult:
         """See :meth:`celery_claims.ClaimManager.claim_unless_done`."""
-        return self._claim(queue_id, task_id, owner, lease_ms, honour_done=True)
+        call = self.claim_call(
+            queue_id,
+            task_id,
+            owner,
+            lease_ms,
+            True,
+            max_takeovers=max_takeovers,
+            given_up_ttl_ms=given_up_ttl_ms,
+        )
+        result = self.execute(call)
+        # AlreadyClaimed and AlreadyDone wrote only counters: nothing worth waiting for
+        if result.acquired or isinstance(result, GivenUp):
+            return self._replicated(result)
+        return result
 
     def complete(self, token: ClaimToken, done_ttl_ms: int) -> None:
         """See :meth:`celery_claims.ClaimManager.complete`."""
@@ -447,14 +484,17 @@ class RedisClaimManager:
         require_ms("done_ttl_ms", done_ttl_ms)
         return self._release_call(token, str(done_ttl_ms))
 
-    def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | None:
+    def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | GivenUp | None:
         """See :meth:`celery_claims.ClaimManager.done_record`."""
         keys = self.keys(queue_id)
         require_id("task_id", task_id)
         reply = self._run("done", [keys.done], [task_id, self._now()])
         if not reply:
             return None
-        return AlreadyDone(owner=_text(reply[2]), instance=int(reply[0]), done_at=int(reply[1]))
+        record = _gate_result(reply, queue_id=queue_id, task_id=task_id, owner="")
+        if not isinstance(record, (AlreadyDone, GivenUp)):
+            raise BackendError(f"done.lua answered {record!r}, not a record")
+        return record
 
     def renew(
         self, queue_id: str, tokens: Sequence[ClaimToken], lease_ms: int
@@ -495,7 +535,7 @@ def _release_result(reply: Any, token: ClaimToken) -> None:
 
 
 def _gate_result(reply: Any, queue_id: str, task_id: str, owner: str) -> GateResult:
-    """Map a claim.lua reply to its result: the one place that reads claim status codes."""
+    """Map a claim.lua (or done.lua) reply to its result: the one place that reads claim codes."""
     status = int(reply[0])
     if status in (ClaimStatus.SUCCESS, ClaimStatus.TOOK_OVER):
         _, instance, created, expires, previous = reply
@@ -507,4 +547,8 @@ def _gate_result(reply: Any, queue_id: str, task_id: str, owner: str) -> GateRes
         return AlreadyClaimed(owner=_text(reply[1]), expires_at=int(reply[2]))
     if status == ClaimStatus.DONE:
         return AlreadyDone(owner=_text(reply[3]), instance=int(reply[1]), done_at=int(reply[2]))
-    raise BackendError(f"unknown claim status code {status!r} from claim.lua")
+    if status == ClaimStatus.GIVEN_UP:
+        return GivenUp(
+            previous_owner=_text(reply[3]), takeovers=int(reply[1]), given_up_at=int(reply[2])
+        )
+    raise BackendError(f"unknown claim status code {status!r} from the claim store")

@@ -32,9 +32,30 @@ def redis_snapshot(manager: RedisClaimManager) -> dict[bytes, bytes]:
 def memory_snapshot(manager: MemoryClaimManager) -> object:
     queues = manager._queues  # the specification's own state, read for comparison only
     return {
-        queue_id: (dict(q.claims), dict(q.done), q.last_instance, q.stats)
+        queue_id: (dict(q.claims), dict(q.done), dict(q.takeovers), q.last_instance, q.stats)
         for queue_id, q in queues.items()
     }
+
+
+def record_tasks(backend: Backend, queue_id: str) -> set[str]:
+    """The tasks with a stored record (done or given up, live or not yet purged)."""
+    manager = backend.manager
+    if isinstance(manager, RedisClaimManager):
+        return {k.decode() for k in manager.client.hkeys(manager.keys(queue_id).done)}
+    assert isinstance(manager, MemoryClaimManager)
+    queue = manager._queues.get(queue_id)  # the specification's own state, read only
+    return set() if queue is None else set(queue.done)
+
+
+def takeover_counts(backend: Backend, queue_id: str) -> dict[str, int]:
+    """The per-task takeover counts the backend keeps for ``queue_id`` (its raw state)."""
+    manager = backend.manager
+    if isinstance(manager, RedisClaimManager):
+        raw = manager.client.hgetall(manager.keys(queue_id).takeovers)
+        return {k.decode(): int(v) for k, v in raw.items()}
+    assert isinstance(manager, MemoryClaimManager)
+    queue = manager._queues.get(queue_id)  # the specification's own state, read only
+    return {} if queue is None else dict(queue.takeovers)
 
 
 @pytest.fixture(params=["memory", "redis", pytest.param("cluster", marks=pytest.mark.cluster)])

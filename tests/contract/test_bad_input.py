@@ -74,6 +74,31 @@ def test_claim_rejects_a_bad_lease(seeded: Backend, bad: Any) -> None:
     refused(seeded, lambda: seeded.manager.claim(Q, "t1", "w", bad), InvalidArgument, "lease_ms")
 
 
+@pytest.mark.parametrize("bad", [-1, 1.5, True, False, "2", [1], 2**31, 2**64], ids=repr)
+def test_claim_unless_done_rejects_a_bad_takeover_limit(seeded: Backend, bad: Any) -> None:
+    # Given a store with an expired claim another owner could take over
+    # When the takeover limit is not None or a non-negative int, Then nothing changes
+    error = refused(
+        seeded,
+        lambda: seeded.manager.claim_unless_done(Q, "expired", "w2", 1_000, max_takeovers=bad),
+        InvalidArgument,
+        "max_takeovers",
+    )
+    assert error.name == "max_takeovers"
+
+
+@pytest.mark.parametrize("bad", BAD_MS, ids=repr)
+def test_claim_unless_done_rejects_a_bad_given_up_retention(seeded: Backend, bad: Any) -> None:
+    refused(
+        seeded,
+        lambda: seeded.manager.claim_unless_done(
+            Q, "expired", "w2", 1_000, max_takeovers=0, given_up_ttl_ms=bad
+        ),
+        InvalidArgument,
+        "given_up_ttl_ms",
+    )
+
+
 @pytest.mark.parametrize("bad", BAD_MS, ids=repr)
 def test_extend_renew_and_complete_reject_bad_durations(seeded: Backend, bad: Any) -> None:
     token = seeded.manager.get_token(Q, "live", "worker-1")

@@ -29,6 +29,10 @@ QUEUES = st.sampled_from(["q1", "q:{2}"])
 TASKS = st.sampled_from(["a", "b", "c"])
 OWNERS = st.sampled_from(["w1", "w2", "w3"])
 MS = st.integers(min_value=0, max_value=50)
+#: No takeover limit (today's behaviour), or one small enough to be reached.
+LIMITS = st.one_of(st.none(), st.integers(min_value=0, max_value=2))
+#: Leases that often run out at once, so that takeovers (and give-ups) are frequent.
+SHORT_MS = st.sampled_from([0, 0, 1, 10, 50])
 
 
 def comparable(value: object) -> object:
@@ -76,9 +80,21 @@ class ClaimsAgreeWithTheSpecification(RuleBasedStateMachine):
     def claim(self, queue: str, task: str, owner: str, lease: int) -> None:
         self.remember(self.both("claim", queue, task, owner, lease))
 
-    @rule(queue=QUEUES, task=TASKS, owner=OWNERS, lease=MS)
-    def claim_unless_done(self, queue: str, task: str, owner: str, lease: int) -> None:
-        self.remember(self.both("claim_unless_done", queue, task, owner, lease))
+    @rule(queue=QUEUES, task=TASKS, owner=OWNERS, lease=SHORT_MS, limit=LIMITS, keep=MS)
+    def claim_unless_done(
+        self, queue: str, task: str, owner: str, lease: int, limit: int | None, keep: int
+    ) -> None:
+        self.remember(
+            self.both(
+                "claim_unless_done",
+                queue,
+                task,
+                owner,
+                lease,
+                max_takeovers=limit,
+                given_up_ttl_ms=keep,
+            )
+        )
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

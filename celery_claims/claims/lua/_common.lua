@@ -42,3 +42,16 @@ local function check_token(claims_key, task, owner, instance)
   end
   return 1, e_instance, created, expires
 end
+
+-- A record of the completion hash is "instance:done_at:until:owner" (done, status 7) or
+-- "0:given_up_at:until:takeovers:owner" (given up as poison, status 8): instance 0 is never
+-- issued, and a reader that knows only the first form still takes it as done (never run).
+-- Returns status, instance or takeovers, done_at or given_up_at, until, owner.
+local function parse_record(record)
+  local instance, at, until_ms, rest = string.match(record, '^(%d+):(%d+):(%d+):(.*)$')
+  if instance == '0' then
+    local takeovers, owner = string.match(rest, '^(%d+):(.*)$')
+    return 8, tonumber(takeovers), tonumber(at), tonumber(until_ms), owner
+  end
+  return 7, tonumber(instance), tonumber(at), tonumber(until_ms), rest
+end

@@ -5,6 +5,7 @@
 -- KEYS[3] = stats hash of the queue         ({q}:s)
 -- KEYS[4] = completion records of the queue ({q}:d)
 -- KEYS[5] = retention sorted set of records ({q}:x)
+-- KEYS[6] = takeover counts of the queue    ({q}:t)  (a removed claim's count goes with it)
 -- ARGV[1] = now in epoch ms, or '' for the server clock
 -- ARGV[2] = the most entries of each kind to remove (a few thousand at most: unpack below)
 -- returns: {claims removed, completion records removed}
@@ -21,6 +22,7 @@ local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, li
 if #expired > 0 then
   redis.call('HDEL', KEYS[1], unpack(expired))
   redis.call('ZREM', KEYS[2], unpack(expired))
+  redis.call('HDEL', KEYS[6], unpack(expired))
   redis.call('HINCRBY', KEYS[3], 'expirations', #expired)
 end
 return {#expired, #records}

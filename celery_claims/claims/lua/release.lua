@@ -4,6 +4,7 @@
 -- KEYS[3] = stats hash of the queue         ({q}:s)
 -- KEYS[4] = completion records of the queue ({q}:d)  task -> instance:done_at:until:owner
 -- KEYS[5] = retention sorted set of records ({q}:x)  task -> until
+-- KEYS[6] = takeover counts of the queue    ({q}:t)  task -> takeovers so far
 -- ARGV[1] = task id
 -- ARGV[2] = owner of the token
 -- ARGV[3] = instance of the token
@@ -16,6 +17,8 @@ if status ~= 1 then
 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
+-- the task ended under a live owner: it is no poison, and its count must not outlive it
+redis.call('HDEL', KEYS[6], ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'acks', 1)
 if ARGV[4] ~= '' then
   local ttl = tonumber(ARGV[4])
