@@ -26,7 +26,7 @@ from celery.utils.log import get_logger
 
 from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
 from celery_claims.fencing import TaskClaim
-from celery_claims.model import AlreadyClaimed, AlreadyDone, Success, TookOver
+from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
 from celery_claims.worker.compat import unwrap_exception
 from celery_claims.worker.guard import REQUEST_KEY, is_guarded
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
@@ -136,7 +136,13 @@ class ClaimGate:
         """Claim ``copy`` (one round trip) and hand the outcome to the lifecycle."""
         try:
             call = self.runtime.manager.claim_call(
-                copy.queue_id, copy.task_key, copy.owner, copy.lease_ms, honour_done=True
+                copy.queue_id,
+                copy.task_key,
+                copy.owner,
+                copy.lease_ms,
+                honour_done=True,
+                max_takeovers=self.settings.max_takeovers,
+                given_up_ttl_ms=self.settings.done_ttl_ms,
             )
             pipe = self.pipe()
             if pipe is not None:
@@ -165,6 +171,9 @@ class ClaimGate:
             self.life.acquired(copy, outcome, lane)
         elif isinstance(outcome, AlreadyDone):
             self.life.skip(copy, outcome, "done")
+        elif isinstance(outcome, GivenUp):
+            # a poison task: its copies kept crashing their workers (claims_max_takeovers)
+            self.life.skip(copy, outcome, "given_up")
         elif isinstance(outcome, AlreadyClaimed):
             self.life.hold(copy, "held", holder=outcome.owner, error=None)
         elif isinstance(outcome, BackendUnavailable):

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from celery import current_task
+from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_logger
 
@@ -79,8 +80,6 @@ def declare_request_key() -> None:
     ``None``) keeps it out of the headers, and makes ``self.request.claim`` read ``None`` in
     a task that is not claimed instead of raising ``AttributeError``.
     """
-    from celery.app.task import Context
-
     if REQUEST_KEY not in Context.__dict__:
         setattr(Context, REQUEST_KEY, None)
 

@@ -408,7 +408,7 @@ class Lifecycle:
             copy.claim_id,
             f"already done by {record.owner} (instance {record.instance})"
             if isinstance(record, AlreadyDone)
-            else f"given up ({record})",
+            else f"given up as poison after {getattr(record, 'takeovers', '?')} takeovers",
         )
         # only the message goes: the result the first run stored stays as it is
         request.acknowledge()

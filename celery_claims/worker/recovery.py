@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import ClaimNotFound, ClaimTokenError
-from celery_claims.model import AlreadyClaimed, AlreadyDone, ClaimToken
+from celery_claims.model import AlreadyClaimed, AlreadyDone, ClaimToken, GivenUp
 
 __all__ = ["Verdict", "Recovery", "recover", "record_done"]
 
@@ -74,17 +73,16 @@ def recover(
     # under the same owner is safe: any other copy would have found no entry either, and
     # whichever claims first owns the task
     result = manager.claim_unless_done(queue_id, task_id, owner, lease_ms)
-    if isinstance(result, AlreadyDone):
+    if isinstance(result, (AlreadyDone, GivenUp)):
         return _by_record(result, owner)
     if isinstance(result, AlreadyClaimed):
         return Recovery(Verdict.LOST, detail=f"claimed meanwhile by {result.owner}")
-    token_now: Any = getattr(result, "token", None)
-    if not isinstance(token_now, ClaimToken):  # given up (poison): nobody may run it
-        return Recovery(Verdict.LOST, detail=f"given up ({result!r})")
-    return Recovery(Verdict.OURS, token_now, reclaimed=True, detail="claim had vanished")
+    return Recovery(Verdict.OURS, result.token, reclaimed=True, detail="claim had vanished")
 
 
-def _by_record(record: AlreadyDone, owner: str) -> Recovery:
+def _by_record(record: AlreadyDone | GivenUp, owner: str) -> Recovery:
+    if isinstance(record, GivenUp):
+        return Recovery(Verdict.LOST, detail=f"given up after {record.takeovers} takeovers")
     if record.owner == owner:
         return Recovery(Verdict.RECORDED, detail="completion already recorded")
     return Recovery(Verdict.LOST, detail=f"completed by {record.owner}")
