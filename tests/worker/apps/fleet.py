@@ -84,3 +84,10 @@ def hard_limit(self: Any) -> None:
     """Run past the hard time limit (the child is killed by the pool)."""
     record("start", self)
     time.sleep(30)
+
+
+@app.task(bind=True, name="fleet.crash_worker")
+def crash_worker(self: Any) -> None:
+    """A poison task: kills its whole worker (main process and pool) every time it runs."""
+    record("start", self)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
