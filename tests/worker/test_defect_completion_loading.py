@@ -12,7 +12,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import redis
@@ -30,6 +29,7 @@ from tests.worker.helpers import (
     close_app,
     in_process_worker,
     make_app,
+    paused_task,
     unique,
     wait_done,
     wait_for,
@@ -107,23 +107,15 @@ def test_a_task_completing_while_the_claim_store_loads_is_acked_and_recorded_onc
     app: Celery = make_app(
         private_redis.url, queue=queue, claims_prefix=key_prefix, claims_redis_url=store.url
     )
-    started, release = threading.Event(), threading.Event()
-    runs: list[str] = []
-
-    @app.task(shared=False, name="t.finish_while_loading", bind=True)
-    def finish(self: Any) -> str:
-        runs.append(self.request.id)
-        started.set()
-        release.wait(30)
-        return "done"
+    finish, paused = paused_task(app, "t.finish_while_loading")
 
     broker = private_redis.client()
     claims = RedisClaimManager(url=store.url, prefix=key_prefix)
     probe = _probe(store)
     try:
-        with in_process_worker(app) as worker:
+        with in_process_worker(app, pool="threads") as worker:
             result = finish.apply_async(task_id=unique("loading"))
-            assert started.wait(20)
+            assert paused.started.wait(20)
 
             # When the store crashes and restarts from its AOF, answering LOADING for a few
             # seconds, and the task returns while it loads
@@ -134,7 +126,7 @@ def test_a_task_completing_while_the_claim_store_loads_is_acked_and_recorded_onc
             )
             loader.start()
             wait_for(lambda: _loading(probe), timeout=20, what="the store to answer LOADING")
-            release.set()
+            paused.release.set()
 
             # Then Celery's handler ran: the message is acked and the request is done
             wait_for(
@@ -153,7 +145,7 @@ def test_a_task_completing_while_the_claim_store_loads_is_acked_and_recorded_onc
             renewals = worker.claims.counters.get("renewals")
             time.sleep(FAST_REDELIVERY["visibility_timeout"] + 2 * RENEW_INTERVAL_MS / 1000)
             assert worker.claims.counters.get("renewals") == renewals
-            assert runs == [result.id]
+            assert paused.runs == [result.id]
             assert broker.hlen(RedisChannel.unacked_key) == 0
             assert broker.llen(queue) == 0
     finally:

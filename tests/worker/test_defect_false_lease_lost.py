@@ -8,7 +8,6 @@ reported, and a later copy of the task acked without running.
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from typing import Any
 
@@ -24,8 +23,8 @@ from tests.worker.helpers import (
     close_app,
     in_process_worker,
     make_app,
+    paused_task,
     unique,
-    wait_done,
     wait_for,
 )
 
@@ -48,15 +47,7 @@ def test_a_finished_task_whose_claim_a_store_restart_lost_is_not_reported_as_lea
         app: Celery = make_app(
             private_redis.url, queue=queue, claims_prefix=key_prefix, claims_redis_url=store.url
         )
-        started, release = threading.Event(), threading.Event()
-        runs: list[str] = []
-
-        @app.task(shared=False, name="t.finish_while_down", bind=True)
-        def finish(self: Any) -> str:
-            runs.append(self.request.id)
-            started.set()
-            release.wait(30)
-            return "done"
+        finish, paused = paused_task(app, "t.finish_while_down")
 
         broker = private_redis.client()
         claims = RedisClaimManager(url=store.url, prefix=key_prefix)
@@ -64,22 +55,28 @@ def test_a_finished_task_whose_claim_a_store_restart_lost_is_not_reported_as_lea
         try:
             with in_process_worker(app) as worker:
                 result = finish.apply_async(task_id=task_id)
-                assert started.wait(20)
+                assert paused.started.wait(20)
 
                 # When the store stops just before the task returns (its completion cannot
                 # be recorded) and comes back empty a few renewals later
                 store.stop(signal.SIGKILL)
-                release.set()
+                paused.release.set()
                 time.sleep(4 * RENEW_INTERVAL_MS / 1000)
                 store.start()
 
-                # Then the completion is recorded again once the store is back, and nothing
-                # reports the lease as lost
-                wait_done(claims, queue, f"{task_id}:0:0", timeout=20)
-                assert result.get(timeout=10) == "done"
+                # Then nothing reports the lease as lost, and the completion is recorded again
+                # once the store is back
+                key = f"{task_id}:0:0"
+                wait_for(
+                    lambda: lost or claims.done_record(queue, key),
+                    timeout=20,
+                    what=f"done {key} (or lease_lost)",
+                )
                 time.sleep(4 * RENEW_INTERVAL_MS / 1000)
                 assert task_id not in lost, "lease_lost was sent for a task that had finished"
                 assert worker.claims.counters.get("lease_lost") == 0
+                assert claims.done_record(queue, key) is not None
+                assert result.get(timeout=10) == "done"
 
                 # And a duplicate copy published afterwards is acked without running
                 skipped = worker.claims.counters.get("skipped_done")
@@ -94,7 +91,7 @@ def test_a_finished_task_whose_claim_a_store_restart_lost_is_not_reported_as_lea
                     timeout=10,
                     what="the duplicate to be acked",
                 )
-                assert runs == [task_id]
+                assert paused.runs == [task_id]
         finally:
             signals.lease_lost.disconnect(on_lease_lost)
             claims.client.close()

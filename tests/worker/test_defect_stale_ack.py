@@ -78,7 +78,7 @@ def test_a_stale_copy_ending_leaves_the_new_owners_delivery_so_the_task_survives
     other.kill_group(signal.SIGKILL)
     killed_at = time.time()
     fleet.worker("c", broker=broker, backend=broker, queue=queue, concurrency=1, app=APP)
-    rerun = wait_for(
+    wait_for(
         lambda: [
             end
             for start in events_of(executions(broker, queue), "start", "stale-ack")
@@ -89,6 +89,5 @@ def test_a_stale_copy_ending_leaves_the_new_owners_delivery_so_the_task_survives
         timeout=45,
         what="a run of the task after the new owner crashed (the task was lost)",
     )
-    assert rerun, fleet.logs()
     assert result.get(timeout=10) == 14
     wait_done(fleet.claims(broker), queue, "stale-ack:0:0")

@@ -1,9 +1,7 @@
-"""The app of the defect tests' real ``celery worker`` subprocesses, configured from the env.
-
-Like :mod:`tests.worker.apps.fleet`, plus ``CLAIMS_TEST_LOG``: the Redis the execution log is
-written to (default: ``CLAIMS_TEST_BACKEND``), so a test can stop the broker and the result
-backend and still read who ran what. Every event carries the claim instance it ran under.
-Claim settings come from ``--claims-*`` worker options.
+"""The app of the defect tests' real ``celery worker`` subprocesses: the fleet app
+(:mod:`tests.worker.apps.fleet`, configured from the same environment) plus a task that logs
+to ``CLAIMS_TEST_LOG`` (default: ``CLAIMS_TEST_BACKEND``), so a test can stop the broker and
+the result backend and still read who ran what. Every event carries the claim instance.
 """
 
 from __future__ import annotations
@@ -15,29 +13,12 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
 
-from celery_claims.worker import install
+from tests.worker.apps.fleet import BACKEND, QUEUE, app
 
-BROKER = os.environ["CLAIMS_TEST_BROKER"]
-BACKEND = os.environ["CLAIMS_TEST_BACKEND"]
-QUEUE = os.environ["CLAIMS_TEST_QUEUE"]
+__all__ = ["app"]
+
 LOG = os.environ.get("CLAIMS_TEST_LOG", BACKEND)
-
-app = Celery("defects", broker=BROKER, backend=BACKEND)
-app.conf.update(
-    broker_connection_retry_on_startup=True,
-    broker_transport_options={
-        "visibility_timeout": 3,
-        "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1,
-    },
-    task_default_queue=QUEUE,
-    task_acks_late=True,
-    worker_prefetch_multiplier=1,
-    result_expires=None,
-)
-install(app)
 
 _log: redis.Redis | None = None
 
