@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -130,3 +131,28 @@ def close_app(app: Celery) -> None:
         with contextlib.suppress(Exception):
             client.connection_pool.disconnect()
     app.close()
+
+
+class Paused:
+    """What a task made by :func:`paused_task` shares with the test: ``started`` is set when
+    its body starts, it returns only once the test sets ``release``; ``runs`` lists the ids
+    of its runs."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.runs: list[str] = []
+
+
+def paused_task(app: Celery, name: str, timeout_s: float = 30) -> tuple[Any, Paused]:
+    """A task of ``app`` (for an in-process worker) that returns ``"done"`` when released."""
+    paused = Paused()
+
+    @app.task(shared=False, name=name, bind=True)
+    def body(self: Any) -> str:
+        paused.runs.append(self.request.id)
+        paused.started.set()
+        paused.release.wait(timeout_s)
+        return "done"
+
+    return body, paused

@@ -17,11 +17,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis
 from celery import Celery
+from kombu.transport.redis import Channel as RedisChannel
 
 from celery_claims import RedisClaimManager
 from tests.worker.helpers import (
@@ -120,10 +123,13 @@ class Fleet:
         concurrency: int = 2,
         claims_prefix: str = "claims",
         extra: tuple[str, ...] = (),
+        app: str = "tests.worker.apps.fleet",
+        env: dict[str, str] | None = None,
     ) -> Proc:
-        """Start ``celery worker`` on ``tests.worker.apps.fleet`` (claims set on the CLI)."""
+        """Start ``celery worker`` on ``app`` (claims set on the CLI; ``env`` added to the
+        ``CLAIMS_TEST_*`` variables the app reads)."""
         args = [
-            "-A", "tests.worker.apps.fleet", "worker",
+            "-A", app, "worker",
             "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO",
             "--without-mingle", "--without-gossip", "--without-heartbeat",
         ]  # fmt: skip
@@ -137,13 +143,13 @@ class Fleet:
                 "--claims-unavailable-retry-max-ms", "1000",
                 "--claims-socket-timeout-ms", "1000",
             ]  # fmt: skip
-        env = {
+        environ = {
             "CLAIMS_TEST_BROKER": broker,
             "CLAIMS_TEST_BACKEND": backend,
             "CLAIMS_TEST_QUEUE": queue,
             "CLAIMS_TEST_PLUGIN": "1" if plugin else "0",
         }
-        return self._spawn(name, [*args, *extra], env)
+        return self._spawn(name, [*args, *extra], {**environ, **(env or {})})
 
     def beat(self, name: str, *, broker: str, queue: str) -> Proc:
         """Start ``celery beat`` on ``tests.worker.apps.beat_app``."""
@@ -199,6 +205,37 @@ def client_app(broker: str, backend: str, queue: str) -> Celery:
 
 
 def executions(backend: str, queue: str) -> list[dict[str, Any]]:
-    """The execution log the fleet's tasks write (see ``apps/fleet.py``)."""
+    """The execution log the fleet's tasks write (see ``apps/fleet.py``; ``backend`` is the
+    Redis the log is on)."""
     with contextlib.closing(redis.Redis.from_url(backend)) as client:
         return [json.loads(raw) for raw in client.lrange(f"executions:{queue}", 0, -1)]
+
+
+def events_of(log: list[dict[str, Any]], event: str, task_id: str) -> list[dict[str, Any]]:
+    """The ``event`` entries ("start", "end") of ``task_id`` in an execution log."""
+    return [e for e in log if e["event"] == event and e["id"] == task_id]
+
+
+def pool_children(proc: Proc) -> list[int]:
+    """The pids of a worker's pool processes (the children of its main process)."""
+    return [child.pid for child in psutil.Process(proc.popen.pid).children()]
+
+
+@contextlib.contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """SIGSTOP ``pid`` for the ``with`` block (a frozen process); SIGCONT at its end, always."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def unacked_task_ids(client: redis.Redis) -> list[str]:
+    """The task ids of the deliveries in a Redis broker's ``unacked`` hash (kombu's key name)."""
+    ids = []
+    for raw in client.hvals(RedisChannel.unacked_key):
+        message = json.loads(raw)[0]
+        ids.append(message["headers"]["id"])
+    return ids

@@ -1,0 +1,50 @@
+"""The app of the defect tests' real ``celery worker`` subprocesses: the fleet app
+(:mod:`tests.worker.apps.fleet`, configured from the same environment) plus a task that logs
+to ``CLAIMS_TEST_LOG`` (default: ``CLAIMS_TEST_BACKEND``), so a test can stop the broker and
+the result backend and still read who ran what. Every event carries the claim instance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import redis
+
+from tests.worker.apps.fleet import BACKEND, QUEUE, app
+
+__all__ = ["app"]
+
+LOG = os.environ.get("CLAIMS_TEST_LOG", BACKEND)
+
+_log: redis.Redis | None = None
+
+
+def record(event: str, task: Any) -> None:
+    """Log an execution event durably (RPUSH to ``executions:<queue>`` on ``LOG``)."""
+    global _log
+    if _log is None:
+        _log = redis.Redis.from_url(LOG)
+    claim = getattr(task.request, "claim", None)
+    entry = {
+        "event": event,
+        "id": task.request.id,
+        "worker": task.request.hostname,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "instance": getattr(claim, "instance", None),
+        "at": time.time(),
+    }
+    _log.rpush(f"executions:{QUEUE}", json.dumps(entry))
+
+
+@app.task(bind=True, name="defects.sleep")
+def sleep(self: Any, seconds: float) -> float:
+    """Sleep ``seconds``, logging the start and the end."""
+    record("start", self)
+    time.sleep(seconds)
+    record("end", self)
+    return seconds
