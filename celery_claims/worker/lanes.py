@@ -293,10 +293,10 @@ class WorkerLanes:
             if waiter.held:
                 continue
             waiter.held = True
-            # a waiting message keeps its prefetch slot otherwise: give it back (within the
-            # worker's window), as Celery does for ETA requests, so other queues keep flowing
+            # a waiting message keeps its prefetch slot otherwise: give it back, as Celery
+            # does for ETA requests, so the worker's other queues keep flowing
             if self.slots is not None:
-                self.slots.give_back(waiter.claim)
+                self.slots.give_back(waiter.claim, bounded=False)
             self.counters.incr("lane_held")
             request = waiter.request
             recheck_s = self.settings.lane_recheck_ms / 1000
