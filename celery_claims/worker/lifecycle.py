@@ -665,15 +665,10 @@ class Lifecycle:
 
     def complete_deferred(self, copy: Copy) -> None:
         """Retry a completion the store could not take (``COMPLETING``)."""
-        if copy.state is not State.COMPLETING or copy.token is None:
+        if copy.state is not State.COMPLETING:
             return
         try:
-            found = record_done(
-                self.manager,
-                copy.token,
-                lease_ms=copy.lease_ms,
-                done_ttl_ms=self.settings.done_ttl_ms,
-            )
+            found = self._record_done(copy)
         except ClaimError as exc:
             logger.debug("Claim %s: completion still deferred: %s", copy.claim_id, exc)
             return
@@ -757,14 +752,8 @@ class Lifecycle:
         if not self._finish(copy, State.COMPLETING, why):
             celery_handler()
             return
-        assert copy.token is not None
         try:
-            found = record_done(
-                self.manager,
-                copy.token,
-                lease_ms=copy.lease_ms,
-                done_ttl_ms=self.settings.done_ttl_ms,
-            )
+            found = self._record_done(copy)
         except BackendUnavailable as exc:
             # keep renewing it and retry from the keeper: the attempt is done, and a
             # duplicate must not take the claim over while the record cannot be written
@@ -780,6 +769,13 @@ class Lifecycle:
             return
         self._completed(copy, why)
         celery_handler()
+
+    def _record_done(self, copy: Copy) -> Recovery:
+        """Write the completion record of ``copy`` (one round trip; more only to recover)."""
+        assert copy.token is not None
+        return record_done(
+            self.manager, copy.token, lease_ms=copy.lease_ms, done_ttl_ms=self.settings.done_ttl_ms
+        )
 
     def _completed(self, copy: Copy, why: str) -> None:
         if not self._move(copy, State.DONE, only_from=frozenset({State.COMPLETING})):

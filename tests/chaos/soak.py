@@ -247,15 +247,18 @@ class Soak:
         self.actions.append((time.time(), what))
         self.log(f"[{time.time() - self.t0:6.1f}s] {what}")
 
+    def _kill(self, slot: int) -> None:
+        proc = self.slots[slot]
+        if proc is not None:
+            proc.kill_group(signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                proc.popen.wait(timeout=10)
+
     def kill_worker(self) -> None:
         slot = self.rng.randrange(self.n_workers)
         delay = self.rng.uniform(1, 3)
         with self.slot_locks[slot]:
-            proc = self.slots[slot]
-            if proc is not None:
-                proc.kill_group(signal.SIGKILL)
-                with contextlib.suppress(Exception):
-                    proc.popen.wait(timeout=10)
+            self._kill(slot)
             self._note(f"SIGKILL worker slot {slot}, restart in {delay:.1f} s")
             time.sleep(delay)
             self._worker(slot)
@@ -328,11 +331,7 @@ class Soak:
         slot = self.rng.randrange(self.n_workers)
         skew = self.rng.choice(["60", "-60"])
         with self.slot_locks[slot]:
-            proc = self.slots[slot]
-            if proc is not None:
-                proc.kill_group(signal.SIGKILL)
-                with contextlib.suppress(Exception):
-                    proc.popen.wait(timeout=10)
+            self._kill(slot)
             self._note(f"restart worker slot {slot} with its wall clock {skew} s off")
             self._worker(slot, skew=skew)
 
