@@ -137,7 +137,7 @@ class Copy:
         hold_reason: ``"held"`` or ``"unavailable"`` while held.
         delay_ms: the current re-check delay while held.
         timer_entry: the pending re-check.
-        queued_at: when it was handed to the pool (``time.monotonic()``).
+        start_by: when it must have started (``time.monotonic()``), or it is given up.
         lane_slot: the lane slot it holds, if its message is in a lane.
         stale_why: why it is stale (empty unless it went stale).
         other_owner: another copy owns a live lease on the task (a stale copy may then be
@@ -159,7 +159,7 @@ class Copy:
     hold_reason: str = ""
     delay_ms: int = 0
     timer_entry: Any = None
-    queued_at: float = 0.0
+    start_by: float = 0.0
     lane_slot: LaneSlot | None = None
     stale_why: str = ""
     other_owner: bool = False
@@ -403,7 +403,7 @@ class Lifecycle:
 
     def _to_pool(self, copy: Copy) -> None:
         self._move(copy, State.QUEUED)
-        copy.queued_at = time.monotonic()
+        copy.start_by = time.monotonic() + self.settings.start_timeout_ms / 1000
         assert self._dispatch is not None
         self._dispatch(copy)
 
@@ -694,21 +694,20 @@ class Lifecycle:
         self.counters.incr("start_timeouts")
         request = copy.request
         logger.error(
-            "Claim %s: the pool has not started %s[%s] in %.1f s; given up: claim released, "
-            "message handed back to the broker (is the pool stuck?)",
+            "Claim %s: the pool has not started %s[%s] in time (claims_start_timeout_ms, or a "
+            "lease after a broker connection loss); given up: claim released, message handed "
+            "back to the broker",
             copy.claim_id,
             request.name,
             request.id,
-            self.settings.start_timeout_ms / 1000,
         )
         self._release_claim(copy, "not started in time")
         copy.handed_back = True  # before the pool can report it: its end must not settle it
         self._on_loop(self._requeue, copy)
 
     def started_late(self, now: float) -> list[Copy]:
-        """The copies queued in the pool for longer than the start timeout."""
-        limit = self.settings.start_timeout_ms / 1000
-        return [c for c in self.copies(State.QUEUED) if now - c.queued_at > limit]
+        """The copies queued in the pool past their ``start_by``."""
+        return [c for c in self.copies(State.QUEUED) if now > c.start_by]
 
     # --- connection restarts ----------------------------------------------------------------
 
@@ -729,8 +728,16 @@ class Lifecycle:
         for copy in self.copies(State.WAITING):
             with contextlib.suppress(Exception):
                 self._release(copy, "connection closed before it ran")
+        # Celery flushes the pool's outbound buffer on a connection loss ("the broker
+        # redelivers them"): a copy not started yet may never start, and its claim would hold
+        # the redelivered copy until the start timeout. It gets one lease to start instead;
+        # after that it is given up, and its pool process, should it start it after all,
+        # checks the claim with the store (the lease it was handed has run out by then).
+        soon = time.monotonic() + self.settings.lease_ms / 1000
         for copy in self.copies():
             copy.delivery = None
+            if copy.state is State.QUEUED:
+                copy.start_by = min(copy.start_by, soon)
         self.slots.bind(None, 0)
 
     # --- endings ----------------------------------------------------------------------------

@@ -231,7 +231,7 @@ class Soak:
         proc = self.fleet.worker(
             f"w{slot}-{len(self.fleet.procs)}",
             broker=self.broker_url,
-            backend=self.broker_url,
+            backend=self.store.url,  # results are ignored; a Redis URL for every broker
             queue=self.queue,
             plugin=self.plugin,
             app="tests.chaos.app",
@@ -362,7 +362,7 @@ class Soak:
             proc = self.slots[slot]
             assert proc is not None
             proc.wait_ready(timeout=60)
-        client = self.fleet.client(self.broker_url, self.broker_url, self.queue)
+        client = self.fleet.client(self.broker_url, self.store.url, self.queue)
         durations = [
             self.rng.uniform(6, 9) if self.rng.random() < 0.03 else self.rng.uniform(0.1, 3)
             for _ in task_ids
