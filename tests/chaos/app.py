@@ -65,7 +65,7 @@ def effect(self: Any, seconds: float) -> None:
                 task=task_id, worker=f"{socket.gethostname()}/{os.getpid()}", at=time.time()
             )
         )
-    claim = self.request.claim
+    claim = getattr(self.request, "claim", None)  # None on plain Celery
     rows = book.rows
     if claim is not None:
         with book.engine.begin() as conn:
