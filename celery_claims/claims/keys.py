@@ -118,12 +118,5 @@ class QueueKeys:
 
     @cached_property
     def cleanup_keys(self) -> list[str]:
-        """KEYS of cleanup.lua."""
-        return [
-            self.claims,
-            self.expiries,
-            self.stats,
-            self.done,
-            self.done_expiries,
-            self.takeovers,
-        ]
+        """KEYS of cleanup.lua: the same keys as release.lua's, in the same order."""
+        return self.release_keys
