@@ -45,7 +45,8 @@ class Counters:
     (copies held because the store was unreachable), ``rechecks``, ``completed``,
     ``released``, ``completion_deferred``, ``lease_lost``, ``fenced_success`` (a success not
     recorded because the lease was lost), ``renewals``, ``renew_unavailable``,
-    ``unacked_refreshed``, ``revoked_released``.
+    ``unacked_refreshed``, ``revoked_released``, ``reclaimed``, ``start_timeouts``,
+    ``handed_back``, ``skipped_given_up``.
     """
 
     def __init__(self) -> None:
