@@ -19,8 +19,9 @@ __all__ = [
     "task_skipped",
 ]
 
-#: A copy was acknowledged without running. Arguments: ``request``, ``reason`` (``"done"``),
-#: ``claim_id`` (queue/task/attempt), ``record`` (the ``AlreadyDone`` completion record).
+#: A copy was acknowledged without running. Arguments: ``request``, ``reason`` (``"done"``, or
+#: ``"given_up"`` for a poison task),
+#: ``claim_id`` (queue/task/attempt), ``record`` (the ``AlreadyDone`` or ``GivenUp`` record).
 task_skipped = Signal(name="celery_claims.task_skipped")
 
 #: A copy was held unacked instead of run. Arguments: ``request``, ``reason`` (``"held"`` while
