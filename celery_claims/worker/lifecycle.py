@@ -47,7 +47,6 @@ from celery_claims.worker.compat import (
     Delivery,
     forget_delivery,
     result_ready,
-    shares_delivery_tags,
 )
 from celery_claims.worker.guard import REQUEST_KEY, ClaimUnverified, StaleCopy
 from celery_claims.worker.identity import new_owner
@@ -110,9 +109,6 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 
 #: States whose claim the keeper renews.
 RENEWED = frozenset({State.WAITING, State.QUEUED, State.RUNNING, State.COMPLETING})
-
-#: States that reached the pool (Celery's ``task_ready`` is owed when they end).
-IN_POOL = frozenset({State.QUEUED, State.RUNNING, State.COMPLETING, State.STALE})
 
 #: Exceptions that end an attempt with a successor message (or none needed): record done.
 #: ``Retry`` has published the next attempt; ``Ignore`` is what ``Task.replace`` raises after
@@ -236,11 +232,6 @@ class SlotLedger:
             self._bounded.discard(id(copy))
         self.qos.decrement_eventually()
 
-    def given(self) -> int:
-        """How many slots are given back now."""
-        with self._lock:
-            return len(self._given)
-
 
 class Lifecycle:
     """Every delivered copy of one worker, and every move between states (module docstring).
@@ -348,7 +339,7 @@ class Lifecycle:
         guarded: bool,
     ) -> Copy:
         """A new copy in the gate (``RECEIVED``)."""
-        from_redis = self.settings.refresh_unacked
+        refresh = self.settings.refresh_unacked
         copy = Copy(
             request=request,
             owner=owner,
@@ -356,7 +347,7 @@ class Lifecycle:
             task_key=task_key,
             lease_ms=lease_ms,
             guarded=guarded,
-            delivery=Delivery.of(request.message) if from_redis else None,
+            delivery=Delivery.of(request.message) if refresh else None,
         )
         with self._lock:
             self._copies[id(copy)] = copy
@@ -851,8 +842,6 @@ class Lifecycle:
         request = copy.request
         if forget_delivery(request):
             return  # Redis: the record in unacked is the live owner's too; leave it alone
-        if shares_delivery_tags(getattr(request, "message", None)):
-            return
         # a delivery of its own: ack it where another copy owns a live lease (that copy is
         # durable), hand it back otherwise
         with contextlib.suppress(Exception):
