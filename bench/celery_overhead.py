@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from bench.overhead_app import build  # noqa: E402
 from celery_claims.demo.runner import private_redis  # noqa: E402
 
-VARIANTS = ("plain", "rt1", "claims", "once", "singleton")
+VARIANTS = ("plain", "rt1", "claims", "claims-sep", "once", "singleton")
 POOLS = ("prefork", "solo")
 KINDS = (("noop", "bench.noop"), ("10ms", "bench.sleep10"))
 
@@ -126,7 +126,9 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     times: dict[tuple[str, str, str], list[float]] = {}
     ratios: dict[tuple[str, str, str], list[float]] = {}
-    with private_redis() as url:
+    with private_redis() as url, private_redis() as store_url:
+        # the claim store of the claims-sep variant: a server of its own, as with RabbitMQ
+        os.environ["BENCH_STORE_URL"] = store_url
         client = redis.Redis.from_url(url)
         for pool in pools:
             # Every variant's worker runs for the whole pool (idle ones wait in BRPOP), so the

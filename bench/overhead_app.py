@@ -3,7 +3,9 @@
 ``BENCH_VARIANT`` picks what the tasks run under: ``plain`` (Celery alone), ``rt1`` (Celery
 plus the least any execution-time claim costs: one blocking round trip of a one-line Lua
 script to the store per message, in the consumer before the pool gets it), ``claims``
-(``celery_claims.install``), ``once`` (celery-once's ``QueueOnce`` base) or ``singleton``
+(``celery_claims.install``, the claim store on the broker's server, the default),
+``claims-sep`` (the same with the claim store on a server of its own, ``BENCH_STORE_URL``,
+as a fleet on RabbitMQ has it), ``once`` (celery-once's ``QueueOnce`` base) or ``singleton``
 (celery-singleton's ``Singleton`` base). ``BENCH_URL`` is the Redis used as broker and as
 every plugin's store; ``BENCH_QUEUE`` the queue; ``BENCH_PREFETCH`` the
 ``worker_prefetch_multiplier`` (1, what celery-claims recommends, unless given). No result
@@ -63,9 +65,11 @@ def build(variant: str, url: str, queue: str) -> Celery:
     base: Any = None
     if variant == "rt1":
         app.steps["consumer"].add(OneRoundTrip)
-    elif variant == "claims":
+    elif variant in ("claims", "claims-sep"):
         from celery_claims.worker import install
 
+        if variant == "claims-sep":
+            app.conf.claims_redis_url = os.environ["BENCH_STORE_URL"]
         install(app)
     elif variant == "once":
         from celery_once import QueueOnce

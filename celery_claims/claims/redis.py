@@ -77,7 +77,17 @@ CLEANUP_BATCH = 500
 #: Queues whose key names a manager keeps built (a worker has a handful).
 _QUEUE_KEYS_CACHED = 1024
 
-_SCRIPTS = ("claim", "release", "extend", "renew", "peek", "list", "cleanup", "done")
+_SCRIPTS = (
+    "claim",
+    "release",
+    "extend",
+    "renew",
+    "peek",
+    "list",
+    "cleanup",
+    "done",
+    "ack_done",
+)
 
 #: Driver errors that mean "the store could not be reached", as opposed to a bug.
 _UNAVAILABLE: tuple[type[Exception], ...] = (
@@ -484,6 +494,35 @@ class RedisClaimManager:
         require_ms("done_ttl_ms", done_ttl_ms)
         return self._release_call(token, str(done_ttl_ms))
 
+    def ack_done_call(
+        self, token: ClaimToken, done_ttl_ms: int, ack_keys: tuple[str, str], delivery_tag: str
+    ) -> ScriptCall[bool]:
+        """:meth:`complete`, and the removal of a Redis broker delivery, in one script.
+
+        For a claim store that is the broker's own Redis (same server and database): the
+        delivery (kombu's ``unacked_index`` and ``unacked`` keys, ``ack_keys``) is removed
+        only when the completion is recorded for ``token``, now or earlier (the call's result
+        is then ``True`` if it recorded it, ``False`` if it found it recorded). A refused
+        token leaves the delivery alone: on the Redis broker another copy's delivery may be
+        that very record.
+
+        Raises:
+            InvalidArgument: a bad token, TTL, key or tag.
+            ClaimTokenError: (when executed) the token was refused; nothing was written.
+        """
+        require_token(token)
+        require_ms("done_ttl_ms", done_ttl_ms)
+        require_id("ack_keys", ack_keys[0])
+        require_id("ack_keys", ack_keys[1])
+        require_id("delivery_tag", delivery_tag)
+        keys = self.keys(token.queue_id)
+        return ScriptCall(
+            self._scripts["ack_done"],
+            [*keys.release_keys, *ack_keys],
+            [token.task_id, token.owner, token.instance, done_ttl_ms, self._now(), delivery_tag],
+            partial(_ack_done_result, token=token),
+        )
+
     def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | GivenUp | None:
         """See :meth:`celery_claims.ClaimManager.done_record`."""
         keys = self.keys(queue_id)
@@ -532,6 +571,13 @@ def _release_result(reply: Any, token: ClaimToken) -> None:
     status = int(reply[0])
     if status != ClaimStatus.SUCCESS:
         raise token_error(status, token)
+
+
+def _ack_done_result(reply: Any, token: ClaimToken) -> bool:
+    status = int(reply[0])
+    if status not in (ClaimStatus.SUCCESS, ClaimStatus.DONE):
+        raise token_error(status, token)
+    return status == ClaimStatus.SUCCESS
 
 
 def _gate_result(reply: Any, queue_id: str, task_id: str, owner: str) -> GateResult:

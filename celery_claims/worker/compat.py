@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,9 @@ import celery
 import kombu
 from celery.utils.log import get_logger
 from kombu.transport.virtual import QoS as VirtualQoS
+from kombu.utils import json
+
+from celery_claims.claims.redis import ScriptCall
 
 __all__ = [
     "TESTED",
@@ -28,6 +31,7 @@ __all__ = [
     "refresh_unacked",
     "result_ready",
     "shares_delivery_tags",
+    "store_is_broker",
     "unwrap_exception",
 ]
 
@@ -142,6 +146,170 @@ def forget_delivery(request: Any) -> bool:
         message._state = "ACK"
     request.acknowledged = True
     return True
+
+
+def _server_of(client: Any) -> tuple[Any, ...] | None:
+    """(host, port, unix path, database) of a standalone redis-py client, else None."""
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if not isinstance(kwargs, dict):
+        return None  # a Cluster client, or something else
+    host, path = kwargs.get("host"), kwargs.get("path")
+    if host is None and path is None:
+        return None  # a Sentinel pool: its server is not known until it asks
+    return (host, kwargs.get("port"), path, int(kwargs.get("db") or 0))
+
+
+def store_is_broker(app: Any, store_client: Any) -> bool:
+    """True if ``app``'s broker is kombu's Redis transport on the claim store's server and db.
+
+    Read from the broker URL, without connecting; :meth:`BrokerRide.of` checks each channel
+    again (a False here only costs speed: the record is then written on its own).
+    """
+    store = _server_of(store_client)
+    try:
+        conn = app.connection_for_write()
+        if conn.transport_cls not in ("redis", "rediss") or store is None:
+            return False
+        vhost = str(conn.virtual_host or "").strip("/") or "0"
+        broker = (conn.hostname, conn.port or 6379, None, int(vhost))
+    except Exception:  # an unreadable broker URL: Celery reports it, not this check
+        return False
+    return broker == store
+
+
+@dataclass(eq=False)
+class BrokerRide:
+    """The claim store's writes riding kombu's own round trips on the Redis broker.
+
+    Where the claim store is the broker's server and database, kombu's Redis ``QoS`` writes
+    each delivery to ``unacked``/``unacked_index`` when it delivers the message (``append``,
+    one MULTI/EXEC) and removes it when the message is acked (``ack``, another). The claim is
+    sent in the first transaction and the completion record replaces the second (one script
+    that removes the delivery only when the record is the copy's own), so claims cost no
+    round trip of their own. The QoS methods are replaced on the channel's instance only
+    (checked on kombu 5.3 to 5.7, whose ``append`` and ``ack`` are written the same way).
+
+    Attributes:
+        qos: the channel's kombu Redis ``QoS``.
+        keys: kombu's ``unacked_index`` and ``unacked`` keys, with the transport's
+            ``global_keyprefix``.
+        prefixed: the transport prefixes keys (``global_keyprefix``): kombu's pipeline would
+            prefix a script's first key only, so claims cannot ride its ``append``.
+    """
+
+    qos: Any
+    keys: tuple[str, str]
+    prefixed: bool
+
+    #: Attributes of a QoS whose ``ack`` / ``append`` consult a hook.
+    ACK_HOOK = "_celery_claims_ack_hook"
+    #: Attribute of a channel caching its ride: (store client, ride or None).
+    CACHED = "_celery_claims_ride"
+    APPEND_HOOK = "_celery_claims_append_hook"
+
+    @classmethod
+    def of(cls, channel: Any, store_client: Any) -> BrokerRide | None:
+        """The ride on ``channel``, if its deliveries can be written by the claim store's
+        scripts: kombu's Redis transport, a client of the same server and database as
+        ``store_client``, and the QoS this module knows. None otherwise (claims and
+        completions are then sent on their own)."""
+        cached = getattr(channel, cls.CACHED, None)
+        if cached is not None and cached[0] is store_client:
+            return cached[1]  # type: ignore[no-any-return]
+        ride = cls._of(channel, store_client)
+        with contextlib.suppress(AttributeError):
+            setattr(channel, cls.CACHED, (store_client, ride))
+        return ride
+
+    @classmethod
+    def _of(cls, channel: Any, store_client: Any) -> BrokerRide | None:
+        qos = getattr(channel, "qos", None)
+        server = _server_of(getattr(channel, "client", None))
+        if (
+            not hasattr(channel, "unacked_index_key")
+            or server is None
+            or server != _server_of(store_client)
+            or not isinstance(qos, VirtualQoS)
+            or not callable(getattr(type(qos), "_remove_from_indices", None))
+            or not callable(getattr(qos, "pipe_or_acquire", None))
+        ):
+            return None
+        prefix = str(getattr(channel, "global_keyprefix", "") or "")
+        keys = (prefix + channel.unacked_index_key, prefix + channel.unacked_key)
+        return cls(qos, keys, bool(prefix))
+
+    def hook_ack(self, take: Callable[[Any], bool]) -> None:
+        """Route the QoS's acks through ``take(tag)`` (idempotent, per channel).
+
+        ``take`` returns True when it settled the delivery itself (its script removed it, or
+        it chose to leave it); False lets kombu's own ack run.
+        """
+        qos = self.qos
+        if getattr(qos, self.ACK_HOOK, None) == take:
+            return
+        kombu_ack = type(qos).ack
+
+        def ack(delivery_tag: Any) -> None:
+            if not take(delivery_tag):
+                kombu_ack(qos, delivery_tag)
+
+        qos.ack = ack  # an instance attribute: kombu's Channel.basic_ack calls self.qos.ack
+        setattr(qos, self.ACK_HOOK, take)
+
+    def hook_append(
+        self,
+        claim_for: Callable[[Any], ScriptCall[Any] | None],
+        claimed: Callable[[Any, Any], None],
+    ) -> bool:
+        """Send ``claim_for(message)``'s call in kombu's append transaction (per channel).
+
+        ``claimed(message, reply)`` gets the script's raw reply, or the error it ended with,
+        before kombu hands the message on; a None call sends kombu's append as it is. False
+        (nothing hooked) where the transport prefixes keys.
+        """
+        qos = self.qos
+        if self.prefixed:
+            return False
+        if getattr(qos, self.APPEND_HOOK, None) == claim_for:
+            return True
+        kombu_append = type(qos).append
+        index_key, unacked_key = qos.unacked_index_key, qos.unacked_key
+
+        def append(message: Any, delivery_tag: Any) -> None:
+            call = claim_for(message)
+            if call is None:
+                kombu_append(qos, message, delivery_tag)
+                return
+            # kombu's append (kombu/transport/redis.py, QoS.append), and the claim
+            delivery = message.delivery_info
+            dumps: Any = json.dumps
+            raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+            with qos.pipe_or_acquire() as pipe:
+                pipe.zadd(index_key, {delivery_tag: time.time()})
+                pipe.hset(unacked_key, delivery_tag, raw)
+                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+                replies = pipe.execute(raise_on_error=False)
+            for reply in replies[:2]:
+                if isinstance(reply, Exception):
+                    raise reply  # kombu's own write failed: as kombu's append would
+            local_append: Any = VirtualQoS.append
+            local_append(qos, message, delivery_tag)
+            claimed(message, replies[2])
+
+        qos.append = append
+        setattr(qos, self.APPEND_HOOK, claim_for)
+        return True
+
+    def forget(self, tag: Any) -> None:
+        """Drop ``tag`` from the channel's in-memory QoS only (its record is gone already)."""
+        local_ack: Any = VirtualQoS.ack
+        local_ack(self.qos, tag)
+
+    def ack(self, tag: Any) -> None:
+        """kombu's own ack of ``tag`` (removes its record, then forgets it)."""
+        kombu_ack: Any = type(self.qos).ack
+        kombu_ack(self.qos, tag)
 
 
 def result_ready(request: Any) -> bool:

@@ -6,9 +6,12 @@ ETA requests through ``apply_eta_task``, rate-limited ones through ``_limit_move
 runs in the worker's main process, and it is set before the strategies capture it, so the
 wrapper survives connection restarts.
 
-For each request it makes one round trip (``claim_unless_done``) and hands the outcome to the
+For each request it claims the task (``claim_unless_done``) and hands the outcome to the
 lifecycle (:mod:`celery_claims.worker.lifecycle`), which decides what happens to the copy:
-run it, skip it, hold it. For a copy that goes to the pool it sets per-request wrappers of
+run it, skip it, hold it. Where the claim store is the Redis broker's own server, the claim
+was sent already, in the transaction in which kombu recorded the delivery
+(:class:`~celery_claims.worker.compat.BrokerRide`): the gate reads its reply. Elsewhere it
+makes one round trip of its own. For a copy that goes to the pool it sets per-request wrappers of
 ``on_accepted``, ``on_success``, ``on_failure``, ``on_timeout`` and ``execute_using_pool``
 that report to the lifecycle, which runs Celery's own handler (or, for a stale copy, lets
 the message go without acking it).
@@ -19,15 +22,17 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from celery.exceptions import TaskRevokedError
 from celery.utils.log import get_logger
 
+from celery_claims.claims.redis import ScriptCall
 from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
 from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
-from celery_claims.worker.compat import unwrap_exception
+from celery_claims.worker.compat import BrokerRide, unwrap_exception
 from celery_claims.worker.guard import REQUEST_KEY, is_guarded
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
 from celery_claims.worker.lifecycle import Copy
@@ -38,6 +43,31 @@ from celery_claims.worker.runtime import ClaimsRuntime
 __all__ = ["ClaimGate"]
 
 logger = get_logger("celery_claims.worker")
+
+
+#: A pre-claim whose reply has not come (kombu's transaction failed before it).
+_NO_REPLY = object()
+
+
+@dataclass(eq=False)
+class _Preclaim:
+    """A claim sent in kombu's delivery transaction, waiting for the gate."""
+
+    owner: str
+    queue_id: str
+    task_key: str
+    lease_ms: int
+    call: ScriptCall[Any]
+    reply: Any = _NO_REPLY
+
+    def outcome(self) -> Any:
+        """The decoded reply, or the error it is (never raises)."""
+        if isinstance(self.reply, Exception):
+            return BackendUnavailable(f"claim store error in kombu's transaction: {self.reply}")
+        try:
+            return self.call.decode(self.reply)
+        except Exception as exc:
+            return exc
 
 
 class ClaimGate:
@@ -61,6 +91,7 @@ class ClaimGate:
         self._pipe: StorePipe | None = None
         self._pipe_checked = False
         self._stopping = False
+        self._pre: dict[Any, _Preclaim] = {}
         self.life.bind(consumer, self._to_pool, self._claim)
 
     # --- entry point ------------------------------------------------------------------------
@@ -71,6 +102,22 @@ class ClaimGate:
             return self.inner(request)
         self._loop_thread = threading.get_ident()
         self.life.on_loop()
+        pre = self._pre.pop(getattr(request.message, "delivery_tag", None), None)
+        # Celery hands each delivery to the gate within kombu's delivery call, so any other
+        # pre-claim left belongs to a message Celery dropped
+        self._drop_leftovers()
+        if pre is not None and pre.reply is not _NO_REPLY and not isinstance(pre.reply, Exception):
+            copy = self.life.receive(
+                request,
+                owner=pre.owner,
+                queue_id=pre.queue_id,
+                task_key=pre.task_key,
+                lease_ms=pre.lease_ms,
+                guarded=is_guarded(request.task),
+            )
+            self._settle(copy, pre.outcome())
+            return None
+        # no claim rode kombu's write (or it failed there): claimed here under a new owner
         try:
             queue_id = self.queues.queue_of(request.delivery_info)
             task_key = claim_task_id(request.id, attempt_of(request.request_dict))
@@ -84,7 +131,7 @@ class ClaimGate:
             owner=new_owner(self.runtime.hostname),
             queue_id=queue_id,
             task_key=task_key,
-            lease_ms=self._lease_ms(request),
+            lease_ms=self._lease_ms(request.name, request.task),
             guarded=is_guarded(request.task),
         )
         self._claim(copy)
@@ -116,12 +163,11 @@ class ClaimGate:
             )
         return self._pipe
 
-    def _lease_ms(self, request: Any) -> int:
-        name = request.name
+    def _lease_ms(self, name: str, task: Any) -> int:
         lease = self._leases.get(name)
         if lease is None:
             lease = self.settings.lease_ms
-            raw = getattr(request.task, "claims_lease_ms", None)
+            raw = getattr(task, "claims_lease_ms", None)
             if raw is not None:
                 try:
                     lease = self.settings.check_task_lease(name, raw)
@@ -132,18 +178,78 @@ class ClaimGate:
             self._leases[name] = lease
         return lease
 
+    def _claim_call(
+        self, queue_id: str, task_key: str, owner: str, lease_ms: int
+    ) -> ScriptCall[Any]:
+        return self.runtime.manager.claim_call(
+            queue_id,
+            task_key,
+            owner,
+            lease_ms,
+            honour_done=True,
+            max_takeovers=self.settings.max_takeovers,
+            given_up_ttl_ms=self.settings.done_ttl_ms,
+        )
+
+    # --- claims riding kombu's delivery transaction -----------------------------------------
+
+    def claim_for(self, message: Any) -> ScriptCall[Any] | None:
+        """The claim to send with kombu's record of ``message``'s delivery, or None.
+
+        None for what the gate claims later or not at all: an ETA or rate-limited task (it
+        reaches the gate when due), an exempt or unknown one, an unreadable message. Called
+        by kombu's ``QoS.append`` on the consumer's thread, just before the message goes to
+        Celery's strategy, which hands it to the gate in the same call unless Celery drops it
+        (revoked, expired, invalid): a pre-claim still here at the next delivery (or the next
+        request) is such a message's, and its claim is released.
+        """
+        self._drop_leftovers()
+        try:
+            headers = message.headers
+            name, task_id = headers.get("task"), headers.get("id")
+            if not isinstance(name, str) or not isinstance(task_id, str) or headers.get("eta"):
+                return None
+            task = self.consumer.app.tasks.get(name)
+            if task is None or is_exempt(task, name):
+                return None
+            if task.rate_limit and not self.consumer.disable_rate_limits:
+                return None
+            lease_ms = self._lease_ms(name, task)
+            queue_id = self.queues.queue_of(message.delivery_info)
+            task_key = claim_task_id(task_id, attempt_of(headers))
+            owner = new_owner(self.runtime.hostname)
+            call = self._claim_call(queue_id, task_key, owner, lease_ms)
+            pre = _Preclaim(owner, queue_id, task_key, lease_ms, call)
+        except Exception:
+            return None  # the gate claims it on its own (or reports what is wrong)
+        self._pre[message.delivery_tag] = pre
+        return pre.call
+
+    def claimed(self, message: Any, reply: Any) -> None:
+        """The reply of :meth:`claim_for`'s call (or the error it ended with)."""
+        pre = self._pre.get(message.delivery_tag)
+        if pre is not None:
+            pre.reply = reply
+
+    def _drop_leftovers(self) -> None:
+        """Release the claims of pre-claimed messages Celery never handed to the gate."""
+        while self._pre:
+            _, pre = self._pre.popitem()
+            outcome = pre.outcome()
+            token = getattr(outcome, "token", None)
+            if isinstance(outcome, (Success, TookOver)) and token is not None:
+                try:
+                    self.runtime.manager.release(token)
+                except ClaimError as exc:
+                    # it is not renewed: the lease runs out by itself
+                    logger.debug("Claim %s/%s: release failed: %s", pre.queue_id, pre.task_key, exc)
+
+    # --- the gate's own claim ---------------------------------------------------------------
+
     def _claim(self, copy: Copy) -> None:
         """Claim ``copy`` (one round trip) and hand the outcome to the lifecycle."""
         try:
-            call = self.runtime.manager.claim_call(
-                copy.queue_id,
-                copy.task_key,
-                copy.owner,
-                copy.lease_ms,
-                honour_done=True,
-                max_takeovers=self.settings.max_takeovers,
-                given_up_ttl_ms=self.settings.done_ttl_ms,
-            )
+            call = self._claim_call(copy.queue_id, copy.task_key, copy.owner, copy.lease_ms)
             pipe = self.pipe()
             if pipe is not None:
                 outcome: Any = pipe.call(call)
@@ -154,6 +260,9 @@ class ClaimGate:
                     outcome = exc
         except Exception as exc:
             outcome = exc
+        self._settle(copy, outcome)
+
+    def _settle(self, copy: Copy, outcome: Any) -> None:
         try:
             self._decide(copy, outcome)
         except Exception as exc:
@@ -255,12 +364,23 @@ class ClaimGate:
     # --- connection restarts and shutdown ---------------------------------------------------
 
     def resume(self) -> None:
-        """The consumer (re)started: use the event loop's pipe again."""
+        """The consumer (re)started: use the event loop's pipe again, and where the claim
+        store is the Redis broker's server, send claims and completions with kombu's own
+        writes on the new channel."""
         self._stopping = False
+        if not self.life.ride_acks:
+            return
+        channel = getattr(getattr(self.consumer, "task_consumer", None), "channel", None)
+        ride = BrokerRide.of(channel, self.runtime.manager.client)
+        if ride is not None:
+            ride.hook_append(self.claim_for, self.claimed)
+            ride.hook_ack(self.life.take_ack)
 
     def drop_connection_state(self) -> None:
         """Forget what belongs to the closing connection (reentrant, no logging)."""
         self._stopping = True
+        with contextlib.suppress(Exception):
+            self._drop_leftovers()
         if self._pipe is not None:
             # completions already sent are accounted for before the state goes (stop must
             # never raise: it may run while the worker shuts down)

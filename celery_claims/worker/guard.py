@@ -14,7 +14,11 @@ wrapper runs in the process that runs the body:
 - after the body returns, it records the completion (one round trip, which checks the claim
   too) before the tracer stores the result and sends chain callbacks, so a result backend
   failure after the body can never make the attempt run again, and a stale copy (another
-  copy owns the task) raises :class:`StaleCopy` instead of storing its result;
+  copy owns the task) raises :class:`StaleCopy` instead of storing its result. Where the
+  claim store is the Redis broker's own server, the worker's ack writes the record in the
+  same script (``lifecycle.py``), and the record is left to it when nothing can fail after
+  the body (no result to store, no callback, chord or ``on_success`` of the task's own,
+  ``acks_late``) and the lease handed to the pool cannot have run out;
 - after the body raised, the same check as before the body.
 
 A store that does not answer is waited for (bounded by ``claims_start_timeout_ms``), then
@@ -33,7 +37,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from celery import current_task
-from celery.app.task import Context
+from celery.app.task import Context, Task
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_logger
 
@@ -126,8 +131,11 @@ _T = TypeVar("_T")
 class _Verifier:
     """Checks, from the process running the task, that its claim is still its own."""
 
-    def __init__(self, settings: ClaimsSettings, manager: RedisClaimManager) -> None:
+    def __init__(
+        self, settings: ClaimsSettings, manager: RedisClaimManager, *, ack_records: bool
+    ) -> None:
         self.settings = settings
+        self.ack_records = ack_records
         self._parent_pid = os.getpid()
         self._parent_manager = manager
         self._manager: RedisClaimManager | None = None
@@ -151,11 +159,7 @@ class _Verifier:
         Raises:
             BackendUnavailable: the store could not be asked (the caller fails closed).
         """
-        # Nobody can take a claim over before its lease ends, and the lease handed to the
-        # pool ended no earlier than claim.expires_at (renewals only extend it). The margin
-        # covers clock skew between this host and the claim store's clock.
-        margin_ms = claim.lease_ms // 4
-        if time.time() * 1000 < claim.expires_at - margin_ms:
+        if _surely_held(claim):
             return True
 
         def ask() -> bool:
@@ -168,6 +172,10 @@ class _Verifier:
             )
 
         return self._answered(ask)
+
+    def leaves_record_to_ack(self, task: Any, claim: TaskClaim) -> bool:
+        """True if the worker's ack will write this attempt's record (module docstring)."""
+        return self.ack_records and _surely_held(claim) and _nothing_after_body(task)
 
     def record_done(self, claim: TaskClaim) -> Verdict:
         """Record the completion of the attempt (see :func:`~.recovery.record_done`).
@@ -205,6 +213,34 @@ class _Verifier:
                 delay_s = min(delay_s * 2, self.settings.unavailable_retry_max_ms / 1000)
 
 
+def _surely_held(claim: TaskClaim) -> bool:
+    """True if no other copy can have taken ``claim`` over yet.
+
+    Nobody can take a claim over before its lease ends, and the lease handed to the pool ended
+    no earlier than ``claim.expires_at`` (renewals only extend it). The margin covers clock
+    skew between this host and the claim store's clock.
+    """
+    return time.time() * 1000 < claim.expires_at - claim.lease_ms // 4
+
+
+def _nothing_after_body(task: Any) -> bool:
+    """True if nothing Celery does after this task's body returns can fail the attempt.
+
+    What can: storing the result (a result backend outage), sending callbacks or a chord's
+    part, the task's own ``on_success``; and with early acks the message is gone already.
+    """
+    request = task.request
+    if request.callbacks or request.chord or not task.acks_late:
+        return False
+    if type(task).on_success is not Task.on_success:
+        return False
+    return bool(
+        task.ignore_result
+        or getattr(request, "ignore_result", False)
+        or isinstance(task.backend, DisabledBackend)
+    )
+
+
 def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
     @functools.wraps(run)
     def claims_guarded_run(*args: Any, **kwargs: Any) -> Any:
@@ -222,6 +258,8 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
         # The completion is recorded here, before the tracer stores the result: whatever
         # happens to the result (a result backend outage fails the task after its body
         # returned), a later copy of this attempt is acknowledged without running.
+        if verifier.leaves_record_to_ack(task, claim):
+            return retval
         try:
             verdict = verifier.record_done(claim)
         except ClaimError as exc:
@@ -282,13 +320,17 @@ def _stale(task: Any, claim: TaskClaim, what: str) -> StaleCopy:
     return StaleCopy(f"claim instance {claim.instance} was taken over")
 
 
-def guard_tasks(app: Any, settings: ClaimsSettings, manager: RedisClaimManager) -> int:
+def guard_tasks(
+    app: Any, settings: ClaimsSettings, manager: RedisClaimManager, *, ack_records: bool = False
+) -> int:
     """Wrap the ``run`` of every claimed task of ``app`` (idempotent); returns how many.
 
     Called when the worker starts, before the pool forks and before the consumer builds the
-    tracers (which capture ``task.run``).
+    tracers (which capture ``task.run``). ``ack_records``: the worker's ack writes the
+    completion record (the claim store is the Redis broker's server), so a pool process may
+    leave it to the ack.
     """
-    verifier = _Verifier(settings, manager)
+    verifier = _Verifier(settings, manager, ack_records=ack_records)
     wrapped = 0
     for name, task in list(app.tasks.items()):
         if is_exempt(task, name) or getattr(task.run, _GUARDED, False):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import os
 import signal
 import threading
@@ -44,6 +45,7 @@ from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
 from celery_claims.model import AlreadyDone, ClaimToken, Success, TookOver
 from celery_claims.worker import signals
 from celery_claims.worker.compat import (
+    BrokerRide,
     Delivery,
     forget_delivery,
     result_ready,
@@ -140,7 +142,8 @@ class Copy:
             acked where it has a delivery of its own).
         handed_back: its message was handed back to the broker already.
         recorded: its completion is recorded (by its pool process): stop renewing.
-        ack_pending: Celery's ack waits for the completion record.
+        deferred_ack: the ack that waits for the completion record (made once it is written).
+        ride_tag: its delivery tag while Celery's coming ack is to write its completion.
     """
 
     request: Any
@@ -161,7 +164,8 @@ class Copy:
     other_owner: bool = False
     handed_back: bool = False
     recorded: bool = False
-    ack_pending: bool = False
+    deferred_ack: Callable[[], object] | None = None
+    ride_tag: Any = None
 
     @property
     def claim_id(self) -> str:
@@ -242,6 +246,11 @@ class Lifecycle:
         counters: the worker's counters.
         lanes: the worker's lanes, if any.
         hostname: the worker's node name (for new owner strings).
+
+    Attributes:
+        ride_acks: the claim store is the Redis broker's own server: a succeeded guarded copy's
+            completion is written by its ack, in one script (:meth:`succeeded`), and its pool
+            process may leave the record to that ack (``guard.py``).
     """
 
     def __init__(
@@ -266,6 +275,8 @@ class Lifecycle:
         self._loop_thread = -1
         self._lock = threading.Lock()
         self._copies: dict[int, Copy] = {}
+        self.ride_acks = False
+        self._riding: dict[Any, tuple[Copy, BrokerRide]] = {}
         if lanes is not None:
             lanes.slots = self.slots
 
@@ -510,6 +521,12 @@ class Lifecycle:
         if copy.state not in (State.QUEUED, State.RUNNING):
             self._repeat(copy, celery_handler)
             return
+        if copy.guarded and self.ride_acks and not copy.request.acknowledged:
+            if not self._ride(copy, celery_handler):
+                # the pool process may have left the record to the ack, which cannot carry
+                # it here: written from this process (it recognises a record already there)
+                self._record(copy, "succeeded", celery_handler)
+            return
         if copy.guarded:
             # the pool process recorded the completion before the result was stored
             self._finish(copy, State.DONE, "succeeded")
@@ -517,6 +534,61 @@ class Lifecycle:
             celery_handler()
             return
         self._record(copy, "succeeded", celery_handler)
+
+    def _ride(self, copy: Copy, celery_handler: Callable[[], object]) -> bool:
+        """Let Celery's ack of a succeeded copy write its completion (:meth:`take_ack`).
+
+        On the Redis broker with the claim store on the same server, kombu's ack (two
+        commands in one round trip) is replaced by one script that records the completion
+        and removes the delivery only if the record is this copy's: the ack costs no round
+        trip more than Celery's own, and the record and the ack are one step. False (nothing
+        done) where that cannot apply: another transport or server.
+        """
+        request = copy.request
+        message = request.message
+        tag = getattr(message, "delivery_tag", None)
+        ride = BrokerRide.of(getattr(message, "channel", None), self.manager.client)
+        if ride is None or tag is None:
+            return False
+        self._finish(copy, State.COMPLETING, "succeeded")
+        ride.hook_ack(self.take_ack)
+        copy.ride_tag = tag
+        self._riding[tag] = (copy, ride)
+        # Celery schedules its ack on the event loop (consumer.call_soon_ack). Should it never
+        # come, the keeper writes the record of a COMPLETING copy, and the message, unacked,
+        # is redelivered and skipped.
+        celery_handler()
+        return True
+
+    def take_ack(self, tag: Any) -> bool:
+        """kombu's ack of ``tag`` (on the consumer's thread): True if a ride took it."""
+        riding = self._riding.pop(tag, None)
+        if riding is None:
+            return False
+        copy, ride = riding
+        copy.ride_tag = None
+        assert copy.token is not None
+        try:
+            call = self.manager.ack_done_call(
+                copy.token, self.settings.done_ttl_ms, ride.keys, str(tag)
+            )
+            self.manager.execute(call)
+        except ClaimTokenError:
+            # the claim changed meanwhile (re-claimed after a store restart, recorded under
+            # another token, taken over): decided the slow way, the delivery left until then
+            copy.deferred_ack = functools.partial(ride.ack, tag)
+            self.complete_deferred(copy)
+            return True
+        except Exception as exc:
+            # the store, the broker's own server, is unreachable (or a bug): keep renewing,
+            # the keeper writes the record and then acks; until then nothing is acked
+            copy.deferred_ack = functools.partial(ride.ack, tag)
+            self.counters.incr("completion_deferred")
+            logger.warning("Claim %s: succeeded, completion deferred: %s", copy.claim_id, exc)
+            return True
+        ride.forget(tag)
+        self._completed(copy, "succeeded")
+        return True
 
     def failed(
         self, copy: Copy, exc: BaseException | None, celery_handler: Callable[[], object]
@@ -538,7 +610,7 @@ class Lifecycle:
                 # the body returned: the record is written once the store answers, and the
                 # message is acked only then (it may share its record with a live owner)
                 task_ready(copy.request)
-                copy.ack_pending = True
+                copy.deferred_ack = copy.request.acknowledge
                 self._finish(copy, State.COMPLETING, "body returned, claim unverifiable")
                 self.counters.incr("completion_deferred")
                 return
@@ -724,9 +796,13 @@ class Lifecycle:
         # the redelivered copy until the start timeout. It gets one lease to start instead;
         # after that it is given up, and its pool process, should it start it after all,
         # checks the claim with the store (the lease it was handed has run out by then).
+        # the channel's unacked deliveries are restored by kombu as it closes; a completion that
+        # was to ride an ack is written by the keeper, and the message's copies are skipped
+        self._riding.clear()
         soon = time.monotonic() + self.settings.lease_ms / 1000
         for copy in self.copies():
             copy.delivery = None
+            copy.ride_tag = None
             if copy.state is State.QUEUED:
                 copy.start_by = min(copy.start_by, soon)
         self.slots.bind(None, 0)
@@ -778,11 +854,15 @@ class Lifecycle:
     def _completed(self, copy: Copy, why: str) -> None:
         if not self._move(copy, State.DONE, only_from=frozenset({State.COMPLETING})):
             return
+        if copy.ride_tag is not None:
+            # recorded before Celery's ack came (by the keeper): kombu's own ack will do
+            self._riding.pop(copy.ride_tag, None)
+            copy.ride_tag = None
         self.counters.incr("completed")
         logger.debug("Claim %s: %s, recorded done", copy.claim_id, why)
-        if copy.ack_pending:
-            copy.ack_pending = False
-            self._on_loop(copy.request.acknowledge)
+        ack, copy.deferred_ack = copy.deferred_ack, None
+        if ack is not None:
+            self._on_loop(_quietly, ack, copy)
 
     def _release(self, copy: Copy, why: str) -> None:
         if copy.state is State.WAITING:
@@ -924,3 +1004,12 @@ class Lifecycle:
             fn(*args)
         else:
             self._consumer.call_soon(fn, *args)
+
+
+def _quietly(ack: Callable[[], object], copy: Copy) -> None:
+    """A deferred ack; a failure is logged (the broker then redelivers the message, whose
+    copies are skipped: the completion is recorded)."""
+    try:
+        ack()
+    except Exception as exc:
+        logger.warning("Claim %s: recorded done, ack failed: %r", copy.claim_id, exc)

@@ -17,7 +17,7 @@ from celery.utils.log import get_logger
 
 from celery_claims.errors import InvalidArgument
 from celery_claims.safety import check_settings
-from celery_claims.worker.compat import check_versions
+from celery_claims.worker.compat import check_versions, store_is_broker
 from celery_claims.worker.gate import ClaimGate
 from celery_claims.worker.guard import guard_tasks
 from celery_claims.worker.keeper import Keeper
@@ -80,8 +80,10 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
         check_versions()
         self.runtime = ClaimsRuntime(w.app, settings, w.hostname)
         self.keeper = Keeper(self.runtime)
+        # the ack carries the completion where the store is the Redis broker's own server
+        self.runtime.life.ride_acks = store_is_broker(w.app, self.runtime.manager.client)
         # before the pool forks and the consumer builds its tracers, which capture task.run
-        guard_tasks(w.app, settings, self.runtime.manager)
+        guard_tasks(w.app, settings, self.runtime.manager, ack_records=self.runtime.life.ride_acks)
         w.claims = self.runtime
         super().__init__(w, **kwargs)
 

@@ -55,3 +55,30 @@ local function parse_record(record)
   end
   return 7, tonumber(instance), tonumber(at), tonumber(until_ms), rest
 end
+
+-- Release the claim a token holds (the original's release); with a record TTL, keep a
+-- completion record too. k = the queue's {claims, expiries, stats, records, retention,
+-- takeovers} keys (release.lua's KEYS[1..6]). Returns 1 (released) or check_token's refusal.
+local function release_claim(k, task, owner, instance, record_ttl, now_arg)
+  local status, e_instance = check_token(k[1], task, owner, instance)
+  if status ~= 1 then
+    return status
+  end
+  redis.call('HDEL', k[1], task)
+  redis.call('ZREM', k[2], task)
+  -- the task ended under a live owner: it is no poison, and its count must not outlive it
+  redis.call('HDEL', k[6], task)
+  redis.call('HINCRBY', k[3], 'acks', 1)
+  if record_ttl ~= '' then
+    local ttl = tonumber(record_ttl)
+    if ttl > 0 then
+      local now = now_ms(now_arg)
+      -- records expire like claims (judged by the same clock, purged by cleanup), not by a
+      -- key TTL, which runs on the server's real time even when the caller sends its own
+      -- clock; a completion record has the shape of an entry: instance:done_at:until:owner
+      redis.call('HSET', k[4], task, format_entry(e_instance, now, now + ttl, owner))
+      redis.call('ZADD', k[5], fmt(now + ttl), task)
+    end
+  end
+  return 1
+end
