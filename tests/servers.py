@@ -7,7 +7,9 @@ on AOF or build a Cluster without touching the machine's shared Redis on port 63
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -22,6 +24,20 @@ import redis
 
 #: Seconds a server gets to answer PING after it was started.
 START_TIMEOUT_S = 10.0
+
+
+@functools.cache
+def _debug_command_args(binary: str) -> tuple[str, ...]:
+    """Arguments that let loopback clients use DEBUG (POPULATE, SLEEP) on a private server.
+
+    Redis 7 refuses DEBUG unless ``enable-debug-command`` allows it, and Debian's build leaves
+    it off; Redis 6 knows no such option (DEBUG is always allowed there).
+    """
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"v=(\d+)\.", out)
+    if match is None or int(match.group(1)) < 7:
+        return ()
+    return ("--enable-debug-command", "local")
 
 
 def in_ci() -> bool:
@@ -88,6 +104,7 @@ class RedisServer:
             "--appendonly", "no",
             "--daemonize", "no",
             "--logfile", str(self.dir / "redis.log"),
+            *_debug_command_args(self.binary),
             *self.extra_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
