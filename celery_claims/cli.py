@@ -25,6 +25,8 @@ import click
 
 from celery_claims.claims.keys import DEFAULT_PREFIX, require_prefix
 from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.connection import close as close_client
+from celery_claims.connection import connect
 from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
 from celery_claims.observe import (
     ClaimView,
@@ -87,10 +89,18 @@ class Target:
         return url, require_prefix(prefix or DEFAULT_PREFIX)
 
     def manager(self) -> RedisClaimManager:
-        """A claim manager for the store (made once per command)."""
+        """A claim manager for the store (made once per command; the app's
+        ``claims_redis_options`` and ``claims_redis_cluster`` apply)."""
         if self._manager is None:
             url, prefix = self.store()
-            self._manager = RedisClaimManager(url=url, prefix=prefix)
+            options, cluster = None, False
+            if self.app is not None:
+                from celery_claims.worker.settings import load_settings
+
+                settings = load_settings(self.app)
+                options, cluster = dict(settings.redis_options), settings.redis_cluster
+            client = connect(url, options, cluster=cluster)
+            self._manager = RedisClaimManager(client=client, prefix=prefix)
         return self._manager
 
     def lane_limits(self) -> dict[str, int]:
@@ -107,7 +117,7 @@ class Target:
     def close(self) -> None:
         """Close the connections the command opened."""
         if self._manager is not None:
-            self._manager.client.close()
+            close_client(self._manager.client)
 
 
 def _safe_url(url: str) -> str:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import celery
 import kombu
@@ -22,6 +23,7 @@ from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils import json
 
 from celery_claims.claims.redis import ScriptCall
+from celery_claims.connection import server_of
 
 __all__ = [
     "TESTED",
@@ -148,16 +150,23 @@ def forget_delivery(request: Any) -> bool:
     return True
 
 
-def _server_of(client: Any) -> tuple[Any, ...] | None:
-    """(host, port, unix path, database) of a standalone redis-py client, else None."""
-    pool = getattr(client, "connection_pool", None)
-    kwargs = getattr(pool, "connection_kwargs", None)
-    if not isinstance(kwargs, dict):
-        return None  # a Cluster client, or something else
-    host, path = kwargs.get("host"), kwargs.get("path")
-    if host is None and path is None:
-        return None  # a Sentinel pool: its server is not known until it asks
-    return (host, kwargs.get("port"), path, int(kwargs.get("db") or 0))
+#: (host, port, unix path, database) of a standalone client; None for Cluster and Sentinel.
+_server_of = server_of
+
+
+def _broker_server(conn: Any) -> tuple[Any, ...] | None:
+    """(host, port, unix path, database) of a kombu Redis connection, read from its URL."""
+    if conn.transport_cls not in ("redis", "rediss"):
+        return None  # Sentinel (its master moves), or not Redis at all
+    host = str(conn.hostname or "")
+    if "://" in host:
+        # redis+socket:///path?virtual_host=N: kombu keeps "socket:///path?..." as the host
+        parts = urlsplit(host)
+        query = parse_qs(parts.query)
+        db = (query.get("virtual_host") or query.get("db") or ["0"])[-1]
+        return (None, None, unquote(parts.path), int(db.strip("/") or 0))
+    vhost = str(conn.virtual_host or "").strip("/") or "0"
+    return (host or "127.0.0.1", conn.port or 6379, None, int(vhost))
 
 
 def store_is_broker(app: Any, store_client: Any) -> bool:
@@ -167,12 +176,10 @@ def store_is_broker(app: Any, store_client: Any) -> bool:
     again (a False here only costs speed: the record is then written on its own).
     """
     store = _server_of(store_client)
+    if store is None:
+        return False
     try:
-        conn = app.connection_for_write()
-        if conn.transport_cls not in ("redis", "rediss") or store is None:
-            return False
-        vhost = str(conn.virtual_host or "").strip("/") or "0"
-        broker = (conn.hostname, conn.port or 6379, None, int(vhost))
+        broker = _broker_server(app.connection_for_write())
     except Exception:  # an unreadable broker URL: Celery reports it, not this check
         return False
     return broker == store

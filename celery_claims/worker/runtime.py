@@ -6,6 +6,7 @@ import contextlib
 from typing import Any
 
 from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.connection import close as close_client
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.worker.lanes import WorkerLanes
 from celery_claims.worker.lifecycle import Copy, Lifecycle
@@ -64,4 +65,4 @@ class ClaimsRuntime:
     def close(self) -> None:
         """Close the claim store connections (a later call would simply reconnect)."""
         with contextlib.suppress(Exception):
-            self.manager.client.close()
+            close_client(self.manager.client)

@@ -9,12 +9,16 @@ command-line value wins over the configuration. ``docs/settings.md`` documents e
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import click
 
 from celery_claims.claims.keys import DEFAULT_PREFIX, require_prefix
+from celery_claims.connection import OPTIONS as CLIENT_OPTIONS
+from celery_claims.connection import SCHEMES
+from celery_claims.connection import parse as parse_store
 from celery_claims.errors import InvalidArgument
 
 __all__ = [
@@ -64,7 +68,10 @@ _MAX_MS = 2**31 - 1
 #: Smallest renew interval accepted: anything shorter would hammer the claim store.
 _MIN_RENEW_INTERVAL_MS = 50
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: Broker URL schemes whose server can be the default claim store (kombu's Redis transports).
+_BROKER_SCHEMES = ("redis://", "rediss://", "unix://", "redis+socket://", "sentinel://")
+#: Keys of ``broker_transport_options`` / ``broker_use_ssl`` a default store takes over.
+_BROKER_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
 
 #: Longest lane name: it becomes a Redis hash tag and a lane kind, which the store caps.
 _MAX_LANE_NAME = 200
@@ -97,6 +104,9 @@ class ClaimsSettings:
 
     Attributes:
         redis_url: URL of the claim store (``claims_redis_url``).
+        redis_options: client options of the claim store (``claims_redis_options``; see
+            :mod:`celery_claims.connection`).
+        redis_cluster: the claim store is a Redis Cluster (``claims_redis_cluster``).
         prefix: first part of every claim key (``claims_prefix``).
         lease_ms: lease of a claim (``claims_lease_ms``).
         renew_interval_ms: lease keeper period (``claims_renew_interval_ms``).
@@ -125,6 +135,8 @@ class ClaimsSettings:
 
     redis_url: str
     prefix: str = DEFAULT_PREFIX
+    redis_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    redis_cluster: bool = False
     lease_ms: int = DEFAULT_LEASE_MS
     renew_interval_ms: int = DEFAULT_RENEW_INTERVAL_MS
     done_ttl_ms: int = DEFAULT_DONE_TTL_MS
@@ -161,6 +173,7 @@ class ClaimsSettings:
 #: (setting, CLI type, help) of the settings reachable as ``celery worker`` options.
 _WORKER_OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("claims_redis_url", str, "URL of the claim store (default: the broker URL if Redis)."),
+    ("claims_redis_cluster", bool, "The claim store is a Redis Cluster."),
     ("claims_prefix", str, "Prefix of every claim key."),
     ("claims_lease_ms", int, "Lease of a claim in ms."),
     ("claims_renew_interval_ms", int, "Lease keeper period in ms."),
@@ -206,15 +219,31 @@ def _ms(key: str, value: object, *, minimum: int = 0) -> int:
 def _default_redis_url(conf: Any) -> str:
     broker = conf.get("broker_url")
     if isinstance(broker, str):
+        if broker.startswith("sentinel://"):
+            return broker  # a list of Sentinels names one master
         # a failover list "redis://a;redis://b": the claim store is the first one
         first = broker.split(";")[0].strip()
-        if first.startswith(_REDIS_SCHEMES):
+        if first.startswith(_BROKER_SCHEMES):
             return first
     raise InvalidArgument(
         "claims_redis_url",
         f"is required when the broker is not Redis (broker_url is {_scheme(broker)}...); "
         "set it in the configuration or pass --claims-redis-url",
     )
+
+
+def _broker_options(conf: Any, url: str, options: dict[str, Any]) -> None:
+    """Complete a default store's options from the broker's own (Sentinel master, TLS)."""
+    if url.startswith("sentinel://"):
+        transport = conf.get("broker_transport_options") or {}
+        for key in _BROKER_OPTIONS:
+            if key in transport:
+                options.setdefault(key, transport[key])
+    use_ssl = conf.get("broker_use_ssl")
+    if url.startswith("rediss://") and isinstance(use_ssl, Mapping):
+        for key, value in use_ssl.items():
+            if key in CLIENT_OPTIONS and key.startswith("ssl_"):
+                options.setdefault(key, value)
 
 
 def _scheme(url: object) -> str:
@@ -244,13 +273,29 @@ def load_settings(app: Any, overrides: Mapping[str, Any] | None = None) -> Claim
         return given[key] if key in given else conf.get(key, default)
 
     url = get("claims_redis_url", None)
+    options = get("claims_redis_options", None)
+    if options is not None and not isinstance(options, Mapping):
+        raise InvalidArgument("claims_redis_options", f"must be a dict, got {options!r:.80}")
+    options = dict(options or {})
     if url is None:
         url = _default_redis_url(conf)
-    if not isinstance(url, str) or not url.startswith(_REDIS_SCHEMES):
+        _broker_options(conf, url, options)
+    cluster = get("claims_redis_cluster", False)
+    if not isinstance(cluster, bool):
+        raise InvalidArgument("claims_redis_cluster", f"must be a bool, got {cluster!r:.80}")
+    if not isinstance(url, str) or not url.startswith(SCHEMES):
         raise InvalidArgument(
             "claims_redis_url",
-            f"must be a redis://, rediss:// or unix:// URL, got {_scheme(url)}...",
+            f"must be a URL starting with one of {', '.join(SCHEMES)}; got {_scheme(url)}...",
         )
+    # checked here, at worker start, never on the first task
+    parse_store(
+        url,
+        options,
+        cluster=cluster,
+        url_name="claims_redis_url",
+        options_name="claims_redis_options",
+    )
     try:
         prefix = require_prefix(get("claims_prefix", DEFAULT_PREFIX))
     except InvalidArgument as exc:
@@ -326,6 +371,8 @@ def load_settings(app: Any, overrides: Mapping[str, Any] | None = None) -> Claim
     return ClaimsSettings(
         redis_url=url,
         prefix=prefix,
+        redis_options=MappingProxyType(options),
+        redis_cluster=cluster,
         lease_ms=lease,
         renew_interval_ms=renew,
         done_ttl_ms=_ms(

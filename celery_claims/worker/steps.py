@@ -24,6 +24,7 @@ from celery_claims.worker.keeper import Keeper
 from celery_claims.worker.policy import check_task_policies
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.settings import WORKER_OPTION_NAMES, load_settings
+from celery_claims.worker.store import check_store
 
 __all__ = ["Gate", "LeaseKeeper", "check_unsafe_settings"]
 
@@ -78,7 +79,9 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
         check_task_policies(w.app, settings)
         check_unsafe_settings(w.app.conf, overrides, strict=settings.strict_settings)
         check_versions()
-        self.runtime = ClaimsRuntime(w.app, settings, w.hostname)
+        # before "ready": a store the worker cannot use stops it here, with one line
+        manager = check_store(settings)
+        self.runtime = ClaimsRuntime(w.app, settings, w.hostname, manager)
         self.keeper = Keeper(self.runtime)
         # the ack carries the completion where the store is the Redis broker's own server
         self.runtime.life.ride_acks = store_is_broker(w.app, self.runtime.manager.client)
