@@ -418,7 +418,7 @@ def connect(
     if spec.kind == "cluster":
         try:
             return redis.RedisCluster(**{**policy, **spec.kwargs})
-        except redis_errors.RedisError as exc:
+        except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
             raise _classified(url, exc) from exc
     kwargs = {**policy, **spec.kwargs}
     if kwargs.get("connection_class") is redis.UnixDomainSocketConnection:

@@ -36,6 +36,11 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     result_expires=None,
 )
+# more configuration, as JSON (``claims_redis_options``, ``broker_transport_options``, ...)
+for key, value in json.loads(os.environ.get("CLAIMS_TEST_CONF", "{}")).items():
+    if isinstance(value, dict) and isinstance(app.conf.get(key), dict):
+        value = {**app.conf.get(key), **value}
+    app.conf[key] = value
 if os.environ.get("CLAIMS_TEST_PLUGIN", "1") == "1":
     install(app)
 
