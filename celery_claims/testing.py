@@ -498,6 +498,10 @@ def claims_config(claims_redis_url: str) -> dict[str, Any]:
         "broker_url": claims_redis_url,
         "result_backend": claims_redis_url,
         "broker_connection_retry_on_startup": True,
+        # what the worker's startup check asks for (a crashed worker's message comes back
+        # within a few leases; a result is stored across a Redis restart)
+        "broker_transport_options": {"visibility_timeout": 180},
+        "result_backend_always_retry": True,
         "task_default_queue": f"claims-test-{name}",
         "task_acks_late": True,
         "worker_prefetch_multiplier": 1,
