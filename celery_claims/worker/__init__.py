@@ -3,6 +3,7 @@
 Only this subpackage imports Celery; the claim core does not.
 """
 
+from celery_claims.worker.consumer import ClaimsConsumerMixin
 from celery_claims.worker.guard import ClaimUnverified, StaleCopy, current_claim
 from celery_claims.worker.install import install
 from celery_claims.worker.lifecycle import Copy, State
@@ -20,6 +21,7 @@ from celery_claims.worker.tasks import CLEANUP_TASK_NAME
 __all__ = [
     # installation
     "install",
+    "ClaimsConsumerMixin",
     # settings
     "ClaimsSettings",
     "LaneSpec",
