@@ -76,7 +76,9 @@ class Target:
         if self.app is not None and (url is None or prefix is None):
             from celery_claims.worker.settings import load_settings
 
-            settings = load_settings(self.app)
+            # the app's default claim store is its broker as Celery resolves it (the
+            # environment's CELERY_BROKER_URL, `celery -b`); --redis-url overrides it
+            settings = load_settings(self.app, {"claims_redis_url": url})
             url = url or settings.redis_url
             prefix = prefix or settings.prefix
         if url is None:
