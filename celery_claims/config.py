@@ -53,9 +53,9 @@ __all__ = [
     "LaneSpec",
     "Setting",
     "broker_url",
+    "derived_renew_interval_ms",
     "parse_lanes",
     "reference",
-    "renew_interval_for",
     "resolve",
     "setting",
 ]
@@ -262,13 +262,13 @@ def _store_from_broker(values: Mapping[str, Any], conf: Any) -> str:
 # --- settings that follow others -------------------------------------------------------------
 
 
-def renew_interval_for(lease_ms: int, ceiling_ms: int = DEFAULT_RENEW_INTERVAL_MS) -> int:
-    """The renew interval a lease of ``lease_ms`` needs: a quarter of it, at most ``ceiling_ms``.
+def derived_renew_interval_ms(lease_ms: int) -> int:
+    """The renew interval of a lease given alone: a quarter of it, at most the default.
 
     The result may be below :data:`MIN_RENEW_INTERVAL_MS` for a lease too short to renew;
     callers refuse such a lease.
     """
-    return min(ceiling_ms, lease_ms // RENEWALS_PER_LEASE)
+    return min(DEFAULT_RENEW_INTERVAL_MS, lease_ms // RENEWALS_PER_LEASE)
 
 
 #: Shortest lease whose derived renew interval is still allowed.
@@ -284,7 +284,7 @@ def _derived_renew(values: Mapping[str, Any], conf: Any) -> int:
             f"lease / {RENEWALS_PER_LEASE} and at most every {MIN_RENEW_INTERVAL_MS} ms; use at "
             f"least {_MIN_DERIVED_LEASE_MS} ms (or set claims_renew_interval_ms below half of it)",
         )
-    return renew_interval_for(lease)
+    return derived_renew_interval_ms(lease)
 
 
 def _renew_fits_lease(renew: int, values: Mapping[str, Any]) -> str | None:
@@ -466,7 +466,8 @@ SETTINGS: tuple[Setting, ...] = (
         DEFAULT_RENEW_INTERVAL_MS,
         "Period of the lease keeper. Must be at least 50 and less than half of the lease: "
         "the remaining lease of a running task stays above `lease - 2 x interval`. A task "
-        "whose own `claims_lease_ms` needs it is renewed more often (a quarter of its lease). "
+        "whose own `claims_lease_ms` is not above twice the interval is renewed every quarter "
+        "of its lease instead. "
         "With the Redis broker it must also be well below `visibility_timeout`, because the "
         "keeper refreshes the delivery's `unacked_index` score on the same beat.",
         unit="ms",
@@ -674,10 +675,11 @@ def resolve(
             setting derived from it is never blamed).
     """
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
-    unknown = sorted(set(keys or ()) - set(_BY_KEY))
+    asked = None if keys is None else tuple(keys)
+    unknown = sorted(set(asked or ()) - set(_BY_KEY))
     if unknown:
         raise InvalidArgument("keys", f"unknown claims settings {unknown}")
-    wanted = _needed(keys) if keys is not None else set(_BY_KEY)
+    wanted = _needed(asked) if asked is not None else set(_BY_KEY)
     values: dict[str, Any] = {}
     for row in SETTINGS:
         if row.key not in wanted:

@@ -15,9 +15,9 @@ exactly while a long task needs its lease renewed. Each beat it:
    holder stops refreshing, and its message is restored after ``visibility_timeout``).
 
 Between two beats the keeper also wakes for claims whose own lease (a per-task
-``claims_lease_ms``) is too short for its period: each claim is renewed at least every
-:meth:`~celery_claims.worker.settings.ClaimsSettings.renew_interval_for` its lease (a quarter
-of it), and a wake renews, in the same batches, every claim past half of its own period.
+``claims_lease_ms``) is too short for its period: such a claim is renewed every quarter of its
+lease (:meth:`~celery_claims.worker.settings.ClaimsSettings.renew_interval_for`), and a wake
+renews, in the same batches, every claim past half of its own period.
 
 Every decision about a copy is the lifecycle's (:mod:`celery_claims.worker.lifecycle`); the
 keeper only asks the store and reports.

@@ -34,7 +34,6 @@ from celery_claims.config import (
     SETTINGS,
     LaneSpec,
     parse_lanes,
-    renew_interval_for,
     resolve,
     setting,
 )
@@ -113,15 +112,20 @@ class ClaimsSettings:
     max_takeovers: int | None = DEFAULT_MAX_TAKEOVERS
 
     def renew_interval_for(self, lease_ms: int) -> int:
-        """How often a claim of ``lease_ms`` is renewed: the keeper's period, or a quarter of
-        the lease when that is shorter (a per-task ``claims_lease_ms``)."""
-        return renew_interval_for(lease_ms, self.renew_interval_ms)
+        """How often a claim of ``lease_ms`` is renewed, in ms.
+
+        The keeper's period when the lease survives two of them (as ``claims_lease_ms``
+        must); otherwise, for a shorter per-task ``claims_lease_ms``, a quarter of the lease.
+        """
+        if 2 * self.renew_interval_ms < lease_ms:
+            return self.renew_interval_ms
+        return lease_ms // RENEWALS_PER_LEASE
 
     def check_task_lease(self, task_name: str, lease_ms: object) -> int:
         """Validate a per-task ``claims_lease_ms`` attribute.
 
-        Any lease the keeper can renew in time is accepted: a claim whose lease needs it is
-        renewed every quarter of its lease, more often than the keeper's period.
+        Any lease the keeper can renew in time is accepted: a claim whose lease is not above
+        two keeper periods is renewed every quarter of its lease (:meth:`renew_interval_for`).
 
         Raises:
             InvalidArgument: the lease is not an int in range, or too short to renew.

@@ -30,6 +30,7 @@ from celery_claims import InvalidArgument, RedisClaimManager
 from celery_claims.config import SETTINGS, reference
 from celery_claims.safety import check_settings
 from celery_claims.worker import ClaimsSettings, install, load_settings
+from celery_claims.worker.steps import check_unsafe_settings
 from celery_claims.worker.tasks import CLEANUP_TASK_NAME
 from tests.servers import RedisServer, redis_server
 from tests.worker.helpers import in_process_worker, make_app, unique, wait_done
@@ -107,6 +108,10 @@ def test_the_environments_broker_wins_over_the_codes_for_the_store_and_the_check
     # When the unsafe-settings check runs, Then it checks the Redis broker's visibility timeout
     keys = {finding.key for finding in check_settings(amqp.conf)}
     assert "broker_transport_options.visibility_timeout" in keys
+
+    # And the worker's own startup check (its view with command-line values) sees it too
+    with pytest.raises(InvalidArgument, match="visibility_timeout"):
+        check_unsafe_settings(amqp.conf, {"claims_lease_ms": 30_000}, strict=True)
 
 
 @pytest.mark.slow
@@ -227,6 +232,18 @@ def test_celery_worker_given_only_a_lease_starts_or_refuses_in_one_line_naming_i
     assert "Traceback" not in output
     [line] = [line for line in output.splitlines() if "claims_" in line]
     assert line.startswith("Error: claims_lease_ms: 100 ms is too short to renew")
+
+
+def test_a_claim_whose_lease_survives_two_periods_is_renewed_at_the_period_the_user_set() -> None:
+    # Given a user's 60 s lease renewed every 25 s
+    settings = ClaimsSettings("redis://127.0.0.1:1/0", lease_ms=60_000, renew_interval_ms=25_000)
+
+    # Then claims of that lease or longer keep that period; only a per-task lease too short
+    # for two periods is renewed every quarter of its own lease
+    assert settings.renew_interval_for(60_000) == 25_000
+    assert settings.renew_interval_for(600_000) == 25_000
+    assert settings.renew_interval_for(50_000) == 12_500
+    assert settings.renew_interval_for(1_000) == 250
 
 
 def test_a_per_task_lease_shorter_than_the_renew_interval_is_renewed_in_time(
