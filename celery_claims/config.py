@@ -58,6 +58,7 @@ __all__ = [
     "reference",
     "resolve",
     "setting",
+    "write_reference",
 ]
 
 #: Lease of a claim: how long a crashed worker's task stays held before another takes it over.
