@@ -78,7 +78,9 @@ class Target:
         if self.app is not None and (url is None or prefix is None):
             from celery_claims.worker.settings import load_settings
 
-            settings = load_settings(self.app)
+            # the app's default claim store is its broker as Celery resolves it (the
+            # environment's CELERY_BROKER_URL, `celery -b`); --redis-url overrides it
+            settings = load_settings(self.app, {"claims_redis_url": url})
             url = url or settings.redis_url
             prefix = prefix or settings.prefix
         if url is None:
@@ -97,7 +99,7 @@ class Target:
             if self.app is not None:
                 from celery_claims.worker.settings import load_settings
 
-                settings = load_settings(self.app)
+                settings = load_settings(self.app, {"claims_redis_url": self.redis_url})
                 options, cluster = dict(settings.redis_options), settings.redis_cluster
             client = connect(url, options, cluster=cluster)
             self._manager = RedisClaimManager(client=client, prefix=prefix)

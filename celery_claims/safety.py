@@ -5,7 +5,8 @@ mapping), so the same rules serve ``celery claims check`` and a worker that chec
 it starts. Each :class:`Finding` names the setting, says what goes wrong and how to fix it.
 
 This module imports neither Celery nor kombu: the defaults it assumes for unset Celery keys are
-spelled here (Celery 5.x values).
+spelled here (Celery 5.x values); the ``claims_*`` ones come from :mod:`celery_claims.config`.
+The broker is the one Celery resolves (``CELERY_BROKER_URL``, ``celery -b``) on an ``app.conf``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from celery_claims.config import broker_url, resolve
 from celery_claims.errors import InvalidArgument
 
 __all__ = [
@@ -33,11 +35,6 @@ CELERY_DEFAULT_PREFETCH_MULTIPLIER = 4
 #: A crash takeover waits for the later of the lease and the visibility timeout; beyond this
 #: ratio the lease no longer decides how long a crashed worker's task waits.
 TAKEOVER_DELAY_RATIO = 10
-
-# Claim setting defaults, read from the settings module's constants without importing it (it
-# belongs to the Celery integration); kept equal by tests/cli/test_safety.py.
-_DEFAULT_LEASE_MS = 60_000
-_DEFAULT_RENEW_INTERVAL_MS = 15_000
 
 _REDIS_BROKERS = ("redis://", "rediss://", "sentinel://", "redis+socket://", "socket://")
 
@@ -80,13 +77,8 @@ def _number(conf: Any, key: str, default: float | None) -> float | None:
 
 
 def _broker_url(conf: Any) -> str:
-    url = conf.get("broker_url", None)
-    if isinstance(url, (list, tuple)):
-        url = url[0] if url else None
-    if not isinstance(url, str):
-        return ""
-    # a failover list "redis://a;redis://b" has one transport
-    return url.split(";")[0].strip()
+    # the broker the worker really consumes from: CELERY_BROKER_URL and `celery -b` included
+    return broker_url(conf) or ""
 
 
 def check_settings(conf: Mapping[str, Any] | Any) -> list[Finding]:
@@ -118,11 +110,13 @@ def check_settings(conf: Mapping[str, Any] | Any) -> list[Finding]:
             )
         )
 
-    lease_ms = _number(conf, "claims_lease_ms", _DEFAULT_LEASE_MS)
-    renew_ms = _number(conf, "claims_renew_interval_ms", _DEFAULT_RENEW_INTERVAL_MS)
-    assert lease_ms is not None
-    assert renew_ms is not None
-    refresh = conf.get("claims_refresh_unacked", True)
+    # read as the worker reads them: a renew interval not given follows the lease
+    claims = resolve(
+        conf, keys=("claims_lease_ms", "claims_renew_interval_ms", "claims_refresh_unacked")
+    )
+    lease_ms = claims["claims_lease_ms"]
+    renew_ms = claims["claims_renew_interval_ms"]
+    refresh = claims["claims_refresh_unacked"]
 
     if _broker_url(conf).startswith(_REDIS_BROKERS):
         options = conf.get("broker_transport_options", None) or {}

@@ -31,15 +31,20 @@ def install(app: Any) -> Any:
 
     Returns:
         ``app``, for chaining.
+
+    Raises:
+        InvalidArgument: ``app`` is finalized already and its ``claims_cleanup_interval_s``
+            is invalid (nothing is installed).
     """
     if getattr(app, _INSTALLED, False):
         return app
+    # first: on a finalized app it validates claims_cleanup_interval_s, before any change
+    connect_schedule(app)
     declare_request_key()
     app.steps["worker"].add(LeaseKeeper)
     app.steps["consumer"].add(Gate)
     add_worker_options(app)
     register_cleanup_task(app)
-    connect_schedule(app)
     if not journal_connected():
         # keep options a user set with an earlier connect_journal(...) call
         connect_journal()

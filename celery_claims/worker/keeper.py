@@ -14,12 +14,18 @@ exactly while a long task needs its lease renewed. Each beat it:
    ``unacked_index``, so kombu does not restore a message whose holder is alive (a dead
    holder stops refreshing, and its message is restored after ``visibility_timeout``).
 
+Between two beats the keeper also wakes for claims whose own lease (a per-task
+``claims_lease_ms``) is too short for its period: such a claim is renewed every quarter of its
+lease (:meth:`~celery_claims.worker.settings.ClaimsSettings.renew_interval_for`), and a wake
+renews, in the same batches, every claim past half of its own period.
+
 Every decision about a copy is the lifecycle's (:mod:`celery_claims.worker.lifecycle`); the
 keeper only asks the store and reports.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import defaultdict
@@ -52,6 +58,8 @@ class Keeper:
         self._thread: threading.Thread | None = None
         self._stop_at: float | None = None
         self._unavailable_since: float | None = None
+        # a claim acquired with a lease shorter than the period must not wait for the next beat
+        self.life.wake_keeper = self._wake.set
 
     def start(self) -> None:
         """Start the keeper thread (once)."""
@@ -73,18 +81,44 @@ class Keeper:
         self._wake.set()
 
     def _run(self) -> None:
-        interval_s = self.settings.renew_interval_ms / 1000
+        period_s = self.settings.renew_interval_ms / 1000
+        next_beat = 0.0
         while True:
             stop_at = self._stop_at
             if stop_at is not None and (not self.life.renewed() or time.monotonic() > stop_at):
                 self.runtime.close()
                 return
+            now = time.monotonic()
             try:
-                self.beat()
+                if now >= next_beat:
+                    next_beat = now + period_s
+                    self.beat()
+                else:
+                    self._renew(self._due(now))
             except Exception:
                 logger.exception("Lease keeper beat failed")
-            if self._wake.wait(interval_s):
+            wait_s = min(next_beat, self._next_due()) - time.monotonic()
+            if self._wake.wait(max(wait_s, 0.0)):
                 self._wake.clear()
+
+    def _period_s(self, copy: Copy) -> float:
+        return self.settings.renew_interval_for(copy.lease_ms) / 1000
+
+    def _due(self, now: float) -> list[Copy]:
+        """The claims past half of their own renew period (a wake between beats)."""
+        return [c for c in self.life.renewed() if now >= c.renew_sent_at + self._period_s(c) / 2]
+
+    def _next_due(self) -> float:
+        """When the next claim with a period shorter than the keeper's must be renewed."""
+        period_s = self.settings.renew_interval_ms / 1000
+        return min(
+            (
+                c.renew_sent_at + self._period_s(c)
+                for c in self.life.renewed()
+                if c.token is not None and self._period_s(c) < period_s
+            ),
+            default=math.inf,
+        )
 
     def beat(self) -> None:
         """One keeper beat (see the module docstring)."""
@@ -102,9 +136,13 @@ class Keeper:
 
     def _renew(self, copies: list[Copy]) -> None:
         groups: dict[tuple[str, int], list[Copy]] = defaultdict(list)
+        sent = time.monotonic()
         for copy in copies:
             if copy.token is not None:
                 groups[(copy.token.queue_id, copy.lease_ms)].append(copy)
+                # taken as sent even if the store is down: retried one period later, not
+                # in a loop (the lease counts from the store's answer, later than this)
+                copy.renew_sent_at = sent
         for (queue_id, lease_ms), group in groups.items():
             try:
                 results = self.runtime.manager.renew(

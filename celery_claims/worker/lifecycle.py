@@ -142,6 +142,8 @@ class Copy:
             acked where it has a delivery of its own).
         handed_back: its message was handed back to the broker already.
         recorded: its completion is recorded (by its pool process): stop renewing.
+        renew_sent_at: when its claim was granted or its last renewal sent
+            (``time.monotonic()``); the keeper renews it one period of its own lease later.
         deferred_ack: the ack that waits for the completion record (made once it is written).
         ride_tag: its delivery tag while Celery's coming ack is to write its completion.
     """
@@ -164,6 +166,7 @@ class Copy:
     other_owner: bool = False
     handed_back: bool = False
     recorded: bool = False
+    renew_sent_at: float = 0.0
     deferred_ack: Callable[[], object] | None = None
     ride_tag: Any = None
 
@@ -276,6 +279,8 @@ class Lifecycle:
         self._lock = threading.Lock()
         self._copies: dict[int, Copy] = {}
         self.ride_acks = False
+        #: wakes the lease keeper (set by it): a claim's lease is too short for its period
+        self.wake_keeper: Callable[[], object] = lambda: None
         self._riding: dict[Any, tuple[Copy, BrokerRide]] = {}
         if lanes is not None:
             lanes.slots = self.slots
@@ -369,6 +374,9 @@ class Lifecycle:
         assert result.token is not None
         took_over = isinstance(result, TookOver)
         copy.token = result.token
+        copy.renew_sent_at = time.monotonic()
+        if self.settings.renew_interval_for(copy.lease_ms) < self.settings.renew_interval_ms:
+            self.wake_keeper()
         copy.request.claim = copy
         self._cancel_timer(copy)
         self.slots.take_back(copy)

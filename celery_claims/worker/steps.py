@@ -23,7 +23,7 @@ from celery_claims.worker.guard import guard_tasks
 from celery_claims.worker.keeper import Keeper
 from celery_claims.worker.policy import check_task_policies
 from celery_claims.worker.runtime import ClaimsRuntime
-from celery_claims.worker.settings import WORKER_OPTION_NAMES, load_settings
+from celery_claims.worker.settings import WORKER_OPTION_NAMES, SettingRefused, load_settings
 from celery_claims.worker.store import check_store
 
 __all__ = ["Gate", "LeaseKeeper", "check_unsafe_settings"]
@@ -40,6 +40,11 @@ class _Overridden:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self._given[key] if key in self._given else self._conf.get(key, default)
+
+    @property
+    def broker_read_url(self) -> Any:
+        """The broker as Celery resolves it (the environment and ``celery -b`` included)."""
+        return getattr(self._conf, "broker_read_url", None)
 
 
 def check_unsafe_settings(conf: Any, overrides: Mapping[str, Any], *, strict: bool) -> None:
@@ -66,7 +71,8 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
     """Worker bootstep: reads the settings, creates ``worker.claims``, runs the keeper.
 
     Settings are validated here, while the worker starts, so a bad ``claims_*`` value stops
-    the worker with an error naming the key instead of failing on the first task.
+    the worker with an error naming the key (:class:`SettingRefused`, one line under
+    ``celery worker``) instead of failing on the first task.
     """
 
     label = "Claims"
@@ -75,9 +81,13 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
     def __init__(self, w: Any, **kwargs: Any) -> None:
         w.claims = None
         overrides = {name: kwargs.get(name) for name in WORKER_OPTION_NAMES}
-        settings = load_settings(w.app, overrides)
-        check_task_policies(w.app, settings)
-        check_unsafe_settings(w.app.conf, overrides, strict=settings.strict_settings)
+        try:
+            settings = load_settings(w.app, overrides)
+            check_task_policies(w.app, settings)
+            check_unsafe_settings(w.app.conf, overrides, strict=settings.strict_settings)
+        except InvalidArgument as exc:
+            # one line naming the setting under `celery worker`, not a traceback
+            raise SettingRefused.of(exc) from None
         check_versions()
         # before "ready": a store the worker cannot use stops it here, with one line
         manager = check_store(settings)
