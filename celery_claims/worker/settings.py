@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_HELD_RECHECK_MS",
     "DEFAULT_LANE_RECHECK_MS",
     "DEFAULT_LEASE_MS",
+    "DEFAULT_METRICS_PORTS",
     "DEFAULT_RENEW_INTERVAL_MS",
     "DEFAULT_SOCKET_TIMEOUT_MS",
     "DEFAULT_UNAVAILABLE_RETRY_MAX_MS",
@@ -32,6 +33,7 @@ __all__ = [
     "LaneSpec",
     "add_worker_options",
     "load_settings",
+    "parse_ports",
 ]
 
 #: Lease of a claim: how long a crashed worker's task stays held before another takes it over.
@@ -58,6 +60,9 @@ DEFAULT_MAX_TAKEOVERS = 3
 DEFAULT_CLEANUP_INTERVAL_S = 300.0
 #: Most expired claims one ``celery_claims.cleanup_expired`` run removes.
 DEFAULT_CLEANUP_LIMIT = 10_000
+#: Ports a worker's metrics exporter (``install_metrics``) may listen on: it takes the first
+#: free one, so up to ten workers of one host each export on a port of their own.
+DEFAULT_METRICS_PORTS = (9808, 9817)
 
 #: Upper bound of every millisecond setting (about 24 days), far above any sane lease.
 _MAX_MS = 2**31 - 1
@@ -121,6 +126,9 @@ class ClaimsSettings:
             (``claims_start_timeout_ms``; at least ``claims_lease_ms``).
         max_takeovers: takeovers of one attempt before it is given up as poison
             (``claims_max_takeovers``; ``None``: never).
+        metrics_ports: (first, last) ports the worker's metrics exporter tries in turn,
+            taking the first free one (``claims_metrics_port``: a port, ``"first-last"``, or
+            0 for any free port); read by :func:`celery_claims.metrics.install_metrics`.
     """
 
     redis_url: str
@@ -140,6 +148,7 @@ class ClaimsSettings:
     strict_settings: bool = False
     start_timeout_ms: int = DEFAULT_START_TIMEOUT_MS
     max_takeovers: int | None = DEFAULT_MAX_TAKEOVERS
+    metrics_ports: tuple[int, int] = DEFAULT_METRICS_PORTS
 
     def check_task_lease(self, task_name: str, lease_ms: object) -> int:
         """Validate a per-task ``claims_lease_ms`` attribute against the renew interval.
@@ -173,6 +182,7 @@ _WORKER_OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("claims_strict_settings", bool, "Refuse to start on an unsafe Celery setting."),
     ("claims_start_timeout_ms", int, "Give up a claimed copy the pool has not started, ms."),
     ("claims_max_takeovers", int, "Takeovers of one attempt before it is given up (-1: never)."),
+    ("claims_metrics_port", str, "Metrics exporter port, FIRST-LAST range, or 0 (any free)."),
 )
 
 #: Names of the settings a worker command-line option can override.
@@ -324,6 +334,7 @@ def load_settings(app: Any, overrides: Mapping[str, Any] | None = None) -> Claim
         max_takeovers = None
 
     return ClaimsSettings(
+        metrics_ports=parse_ports(get("claims_metrics_port", DEFAULT_METRICS_PORTS)),
         redis_url=url,
         prefix=prefix,
         lease_ms=lease,
@@ -355,6 +366,40 @@ def load_settings(app: Any, overrides: Mapping[str, Any] | None = None) -> Claim
         strict_settings=strict,
         start_timeout_ms=start_timeout,
         max_takeovers=max_takeovers,
+    )
+
+
+def parse_ports(raw: object, *, key: str = "claims_metrics_port") -> tuple[int, int]:
+    """Validate a metrics port setting into ``(first, last)``.
+
+    Accepts a port (``9808``; ``0`` is any free port), a range ``"9808-9817"`` or
+    ``(9808, 9817)``, and a port given as text (from the command line).
+
+    Raises:
+        InvalidArgument: anything else; ``name`` is ``key``.
+    """
+    value: object = raw
+    if isinstance(value, str):
+        text = value.strip()
+        first, sep, last = text.partition("-")
+        try:
+            value = (int(first), int(last)) if sep else int(text)
+        except ValueError:
+            value = raw
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value, value)
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(p, int) and not isinstance(p, bool) for p in value)
+        and 0 <= value[0] <= value[1] <= 65535
+        and (value[0] > 0 or value[1] == 0)
+    ):
+        return int(value[0]), int(value[1])
+    raise InvalidArgument(
+        key,
+        f"must be a port (0 for any free one), or a range 'first-last' of ports from 1 to "
+        f"65535, got {raw!r:.80}",
     )
 
 
