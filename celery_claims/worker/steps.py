@@ -5,6 +5,8 @@
   ``run`` and runs the :class:`~celery_claims.worker.keeper.Keeper` thread.
 - :class:`Gate` (consumer): installs the :class:`~celery_claims.worker.gate.ClaimGate` in
   front of ``consumer.on_task_request``.
+- :class:`Sweep` (consumer): runs the Redis broker's restore sweep where kombu does not
+  (:class:`~celery_claims.worker.sweep.RestoreSweep`: pools without an event loop).
 """
 
 from __future__ import annotations
@@ -16,16 +18,17 @@ from celery import bootsteps
 from celery.utils.log import get_logger
 
 from celery_claims.errors import InvalidArgument
-from celery_claims.safety import check_settings
-from celery_claims.worker.compat import check_versions, store_is_broker
+from celery_claims.safety import Severity, check_settings
+from celery_claims.worker.compat import check_versions, pool_name, store_is_broker
 from celery_claims.worker.gate import ClaimGate
 from celery_claims.worker.guard import guard_tasks
 from celery_claims.worker.keeper import Keeper
 from celery_claims.worker.policy import check_task_policies
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.settings import WORKER_OPTION_NAMES, load_settings
+from celery_claims.worker.sweep import RestoreSweep
 
-__all__ = ["Gate", "LeaseKeeper", "check_unsafe_settings"]
+__all__ = ["Gate", "LeaseKeeper", "Sweep", "check_unsafe_settings"]
 
 logger = get_logger("celery_claims.worker")
 
@@ -41,18 +44,24 @@ class _Overridden:
         return self._given[key] if key in self._given else self._conf.get(key, default)
 
 
-def check_unsafe_settings(conf: Any, overrides: Mapping[str, Any], *, strict: bool) -> None:
+def check_unsafe_settings(
+    conf: Any, overrides: Mapping[str, Any], *, strict: bool, pool: str | None = None
+) -> None:
     """Log each unsafe Celery setting with its fix; refuse to start in strict mode.
+
+    ``pool`` is the worker's pool by Celery's name (what the pool enforces matters too).
 
     Raises:
         InvalidArgument: ``strict`` and at least one finding; ``name`` is
             ``claims_strict_settings`` and the message lists every finding.
     """
-    findings = check_settings(_Overridden(conf, overrides))
+    findings = check_settings(_Overridden(conf, overrides), pool=pool or None)
     for finding in findings:
         logger.warning(
             "Unsafe setting %s (%s): %s", finding.key, finding.severity.value, finding.message
         )
+    # a notice says what the pool does not do: nothing in the settings to fix
+    findings = [f for f in findings if f.severity is not Severity.NOTICE]
     if strict and findings:
         listed = "; ".join(f"{f.key}: {f.message}" for f in findings)
         raise InvalidArgument(
@@ -76,9 +85,16 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
         overrides = {name: kwargs.get(name) for name in WORKER_OPTION_NAMES}
         settings = load_settings(w.app, overrides)
         check_task_policies(w.app, settings)
-        check_unsafe_settings(w.app.conf, overrides, strict=settings.strict_settings)
+        pool = pool_name(getattr(w, "pool_cls", None))
+        check_unsafe_settings(w.app.conf, overrides, strict=settings.strict_settings, pool=pool)
         check_versions()
         self.runtime = ClaimsRuntime(w.app, settings, w.hostname)
+        self.runtime.pool_name = pool
+        # the limits Celery hands the pool when a task has none of its own
+        self.runtime.time_limits = (
+            getattr(w, "soft_time_limit", None),
+            getattr(w, "time_limit", None),
+        )
         self.keeper = Keeper(self.runtime)
         # the ack carries the completion where the store is the Redis broker's own server
         self.runtime.life.ride_acks = store_is_broker(w.app, self.runtime.manager.client)
@@ -122,5 +138,30 @@ class Gate(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
     def stop(self, c: Any) -> None:
         if self.gate is not None:
             self.gate.drop_connection_state()
+
+    shutdown = stop
+
+
+class Sweep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
+    """Consumer bootstep running the :class:`RestoreSweep` (a crashed worker's messages)."""
+
+    label = "Claims restore sweep"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        runtime = getattr(getattr(c, "controller", None), "claims", None)
+        self.sweep: RestoreSweep | None = None
+        c.claims_sweep = None
+        if isinstance(runtime, ClaimsRuntime):
+            self.sweep = c.claims_sweep = RestoreSweep(c)
+        super().__init__(c, **kwargs)
+
+    def start(self, c: Any) -> None:
+        if self.sweep is not None:
+            self.sweep.start()
+
+    def stop(self, c: Any) -> None:
+        if self.sweep is not None:
+            self.sweep.stop()
 
     shutdown = stop
