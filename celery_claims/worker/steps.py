@@ -57,10 +57,13 @@ def check_unsafe_settings(
     """
     findings = check_settings(_Overridden(conf, overrides), pool=pool or None)
     for finding in findings:
+        if finding.severity is Severity.NOTICE:
+            # what the pool does not do: nothing in the settings to fix, never refused
+            logger.warning("Notice (%s): %s", finding.key, finding.message)
+            continue
         logger.warning(
             "Unsafe setting %s (%s): %s", finding.key, finding.severity.value, finding.message
         )
-    # a notice says what the pool does not do: nothing in the settings to fix
     findings = [f for f in findings if f.severity is not Severity.NOTICE]
     if strict and findings:
         listed = "; ".join(f"{f.key}: {f.message}" for f in findings)
