@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULT_LANE_RECHECK_MS",
     "DEFAULT_LEASE_MS",
     "DEFAULT_MAX_TAKEOVERS",
+    "DEFAULT_METRICS_PORTS",
     "DEFAULT_RENEW_INTERVAL_MS",
     "DEFAULT_SOCKET_TIMEOUT_MS",
     "DEFAULT_START_TIMEOUT_MS",
@@ -57,6 +58,7 @@ __all__ = [
     "broker_url",
     "derived_renew_interval_ms",
     "parse_lanes",
+    "parse_ports",
     "reference",
     "resolve",
     "setting",
@@ -87,6 +89,9 @@ DEFAULT_MAX_TAKEOVERS = 3
 DEFAULT_CLEANUP_INTERVAL_S = 300.0
 #: Most expired claims one ``celery_claims.cleanup_expired`` run removes.
 DEFAULT_CLEANUP_LIMIT = 10_000
+#: Ports a worker's metrics exporter (``install_metrics``) may listen on: it takes the first
+#: free one, so up to ten workers of one host each export on a port of their own.
+DEFAULT_METRICS_PORTS = (9808, 9817)
 
 #: Renewals per lease when the renew interval is derived from it: the remaining lease of a
 #: running task stays above ``lease - 2 x interval``, half the lease with 4.
@@ -218,6 +223,44 @@ def _prefix(key: str, value: Any) -> str:
         return require_prefix(value)
     except InvalidArgument as exc:
         raise InvalidArgument(key, str(exc).split(": ", 1)[-1]) from None
+
+
+def parse_ports(raw: object, *, key: str = "claims_metrics_port") -> tuple[int, int]:
+    """Validate a metrics port setting into ``(first, last)``.
+
+    Accepts a port (``9808``; ``0`` is any free port), a range ``"9808-9817"`` or
+    ``(9808, 9817)``, and a port given as text (from the command line).
+
+    Raises:
+        InvalidArgument: anything else; ``name`` is ``key``.
+    """
+    value: object = raw
+    if isinstance(value, str):
+        text = value.strip()
+        first, sep, last = text.partition("-")
+        try:
+            value = (int(first), int(last)) if sep else int(text)
+        except ValueError:
+            value = raw
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value, value)
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(p, int) and not isinstance(p, bool) for p in value)
+        and 0 <= value[0] <= value[1] <= 65535
+        and (value[0] > 0 or value[1] == 0)
+    ):
+        return int(value[0]), int(value[1])
+    raise InvalidArgument(
+        key,
+        f"must be a port (0 for any free one), or a range 'first-last' of ports from 1 to "
+        f"65535, got {raw!r:.80}",
+    )
+
+
+def _ports(key: str, value: Any) -> tuple[int, int]:
+    return parse_ports(value, key=key)
 
 
 def _max_takeovers(key: str, value: Any) -> int | None:
@@ -667,6 +710,20 @@ SETTINGS: tuple[Setting, ...] = (
         nullable=True,
         option=int,
         option_help="Takeovers of one attempt before it is given up (-1: never).",
+    ),
+    Setting(
+        "claims_metrics_port",
+        _ports,
+        DEFAULT_METRICS_PORTS,
+        "Where the worker's Prometheus exporter listens, when "
+        "`celery_claims.metrics.install_metrics(app)` is installed: one port, a range from which "
+        "each worker of a host takes the first free port (so several workers per host each "
+        "export on their own), or `0` for any free port. The port taken is logged; see "
+        "docs/operations.md, *Prometheus*.",
+        unit='port, `"first-last"`, or `0`',
+        default_doc='`"9808-9817"`',
+        option=str,
+        option_help="Metrics exporter port, FIRST-LAST range, or 0 (any free).",
     ),
 )
 

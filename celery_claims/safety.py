@@ -23,6 +23,7 @@ from celery_claims.errors import InvalidArgument
 __all__ = [
     "CELERY_DEFAULT_PREFETCH_MULTIPLIER",
     "KOMBU_DEFAULT_VISIBILITY_TIMEOUT_S",
+    "POOLS_WITHOUT_TIME_LIMITS",
     "Finding",
     "Severity",
     "check_settings",
@@ -36,6 +37,10 @@ CELERY_DEFAULT_PREFETCH_MULTIPLIER = 4
 #: ratio the lease no longer decides how long a crashed worker's task waits.
 TAKEOVER_DELAY_RATIO = 10
 
+#: Celery pools that never stop a task at its time limit (hard or soft): Celery enforces them
+#: with signals in prefork pool processes and with ``gevent.Timeout`` (hard limit only) in gevent.
+POOLS_WITHOUT_TIME_LIMITS = frozenset({"threads", "solo", "eventlet"})
+
 _REDIS_BROKERS = ("redis://", "rediss://", "sentinel://", "redis+socket://", "socket://")
 
 
@@ -46,6 +51,9 @@ class Severity(str, enum.Enum):
     ERROR = "error"
     #: Claims still hold, but work is duplicated, delayed or held needlessly.
     WARNING = "warning"
+    #: What the worker's pool does not do, and what celery-claims does instead: nothing to
+    #: fix in the settings (strict mode does not refuse to start on it).
+    NOTICE = "notice"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +89,15 @@ def _broker_url(conf: Any) -> str:
     return broker_url(conf) or ""
 
 
-def check_settings(conf: Mapping[str, Any] | Any) -> list[Finding]:
+def check_settings(conf: Mapping[str, Any] | Any, *, pool: str | None = None) -> list[Finding]:
     """Report the settings of ``conf`` that weaken or defeat claims.
 
     Args:
         conf: a Celery ``app.conf`` or any mapping of lower-case setting names (only ``get``
             is used; unset keys take Celery's and celery-claims' defaults).
+        pool: the worker's pool by Celery's name (``"prefork"``, ``"threads"``, ``"solo"``,
+            ``"gevent"``, ``"eventlet"``), to report what it does not enforce; default: the
+            configuration's ``worker_pool`` (Celery's default, prefork, when unset).
 
     Returns:
         The findings, errors first; empty when nothing is unsafe.
@@ -228,8 +239,50 @@ def check_settings(conf: Mapping[str, Any] | Any) -> list[Finding]:
                 "Set result_backend_always_retry = True.",
             )
         )
-    findings.sort(key=lambda f: f.severity != Severity.ERROR)
+    findings.extend(_pool_findings(pool or conf.get("worker_pool", None) or "prefork", hard, soft))
+    order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.NOTICE: 2}
+    findings.sort(key=lambda f: order[f.severity])
     return findings
+
+
+def _pool_findings(pool: object, hard: float | None, soft: float | None) -> list[Finding]:
+    # said even without a global limit: tasks may have their own (time_limit=...)
+    if not isinstance(pool, str):
+        return []
+    limit = (
+        f" (task_time_limit {hard:g} s)"
+        if hard is not None
+        else f" (task_soft_time_limit {soft:g} s)"
+        if soft is not None
+        else ""
+    )
+    after = (
+        "celery-claims stops renewing a task's claim once its time limit has passed (the "
+        "message's, the task's or task_time_limit), so the claim expires within "
+        "claims_lease_ms and another copy takes the task over; the hung copy runs on, and "
+        "if it ever ends its result is discarded (fenced)."
+    )
+    if pool in POOLS_WITHOUT_TIME_LIMITS:
+        return [
+            Finding(
+                "worker_pool",
+                Severity.NOTICE,
+                f"the {pool} pool does not enforce time limits: a task past its limit{limit} "
+                f"is not stopped. {after} Use the prefork pool where a hung task "
+                f"must be stopped.",
+            )
+        ]
+    if pool == "gevent":
+        return [
+            Finding(
+                "worker_pool",
+                Severity.NOTICE,
+                f"the gevent pool enforces the hard time limit only while the task yields to "
+                f"gevent, and no soft limit: a task blocked past its limit{limit} is not "
+                f"stopped. {after}",
+            )
+        ]
+    return []
 
 
 def _server(url: str) -> tuple[str, int | None] | None:

@@ -12,6 +12,8 @@ from celery_claims.worker.settings import ClaimsSettings, LaneSpec, load_setting
 from celery_claims.worker.signals import (
     Counters,
     claim_acquired,
+    claim_released,
+    lane_slot,
     lease_lost,
     task_held,
     task_skipped,
@@ -37,6 +39,8 @@ __all__ = [
     "Counters",
     # signals
     "claim_acquired",
+    "claim_released",
+    "lane_slot",
     "lease_lost",
     "task_held",
     "task_skipped",

@@ -30,7 +30,9 @@ __all__ = [
     "Delivery",
     "check_versions",
     "forget_delivery",
+    "pool_name",
     "refresh_unacked",
+    "restore_sweep",
     "result_ready",
     "shares_delivery_tags",
     "store_is_broker",
@@ -124,6 +126,52 @@ def refresh_unacked(deliveries: Iterable[Delivery]) -> int:
             pipe.execute()
         sent += len(tags)
     return sent
+
+
+#: Celery's pool modules (``celery.concurrency.<module>``) by the names ``-P`` takes.
+_POOL_MODULES = {
+    "prefork": "prefork",
+    "thread": "threads",
+    "solo": "solo",
+    "gevent": "gevent",
+    "eventlet": "eventlet",
+}
+
+
+def pool_name(pool_cls: Any) -> str:
+    """Celery's name of a worker's pool class (``w.pool_cls``): ``"prefork"``, ``"threads"``,
+    ``"solo"``, ``"gevent"``, ``"eventlet"``; ``""`` for any other (a custom pool)."""
+    module = str(getattr(pool_cls, "__module__", "") or "")
+    package, _, leaf = module.rpartition(".")
+    if package != "celery.concurrency":
+        return ""
+    return _POOL_MODULES.get(leaf, "")
+
+
+def restore_sweep(connection: Any) -> tuple[Callable[[], object], float] | None:
+    """kombu's restore sweep of a Redis broker connection and its period in seconds, or None.
+
+    kombu's Redis transport restores the unacked messages of dead consumers (score older than
+    ``visibility_timeout`` in ``unacked_index``) from its event loop: ``register_with_event_loop``
+    calls ``MultiChannelPoller.maybe_restore_messages`` every ``unacked_restore_interval``
+    seconds. A consumer without the event loop (Celery's ``synloop``: the gevent and eventlet
+    pools) only tries after a poll that saw nothing, which never happens while ``BRPOP``
+    answers every ``brpop_timeout``: there the sweep never runs (kombu 5.3 to 5.7). Returns
+    the same bound method and period kombu's loop would use (the throttle,
+    ``unacked_restore_throttle``, and the cross-worker mutex are applied inside it); None
+    for another transport.
+    """
+    transport = getattr(connection, "transport", None)
+    cycle = getattr(transport, "cycle", None)
+    sweep = getattr(cycle, "maybe_restore_messages", None)
+    if not callable(sweep) or getattr(transport, "driver_type", None) != "redis":
+        return None
+    options = getattr(connection, "transport_options", None) or {}
+    default = getattr(getattr(transport, "Channel", None), "unacked_restore_interval", 10)
+    interval = options.get("unacked_restore_interval", default)
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
+        interval = default  # as kombu does for a non-positive interval
+    return sweep, float(interval)
 
 
 def forget_delivery(request: Any) -> bool:

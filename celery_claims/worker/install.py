@@ -7,7 +7,7 @@ from typing import Any
 from celery_claims.observe import connect_journal, journal_connected
 from celery_claims.worker.guard import declare_request_key
 from celery_claims.worker.settings import add_worker_options
-from celery_claims.worker.steps import Gate, LeaseKeeper
+from celery_claims.worker.steps import Gate, LeaseKeeper, Sweep
 from celery_claims.worker.tasks import connect_schedule, register_cleanup_task
 
 __all__ = ["install"]
@@ -19,7 +19,8 @@ _INSTALLED = "_celery_claims_installed"
 def install(app: Any) -> Any:
     """Make every worker of ``app`` claim each task before running it.
 
-    Adds the lease keeper (worker bootstep) and the claim gate (consumer bootstep), the
+    Adds the lease keeper (worker bootstep), the claim gate and, for pools without an event
+    loop, the Redis broker's restore sweep (consumer bootsteps), the
     ``--claims-*`` worker options, the ``celery_claims.cleanup_expired`` task and its beat
     entry, and connects the journal of skipped copies
     (:func:`celery_claims.observe.connect_journal`, which writes only for copies that are
@@ -43,6 +44,7 @@ def install(app: Any) -> Any:
     declare_request_key()
     app.steps["worker"].add(LeaseKeeper)
     app.steps["consumer"].add(Gate)
+    app.steps["consumer"].add(Sweep)
     add_worker_options(app)
     register_cleanup_task(app)
     if not journal_connected():

@@ -9,7 +9,8 @@ exactly while a long task needs its lease renewed. Each beat it:
    (:mod:`celery_claims.worker.recovery`) and stops the copy only if another one owns it;
 2. renews the lane slots of running tasks;
 3. retries completions the claim store could not take;
-4. gives up copies the pool has not started within ``claims_start_timeout_ms``;
+4. gives up copies the pool has not started within ``claims_start_timeout_ms``, and stops
+   renewing copies running past their time limit (which not every pool enforces);
 5. with the Redis broker, refreshes the score of every claimed or held delivery in kombu's
    ``unacked_index``, so kombu does not restore a message whose holder is alive (a dead
    holder stops refreshing, and its message is restored after ``visibility_timeout``).
@@ -129,8 +130,11 @@ class Keeper:
             self.runtime.lanes.heartbeat(slots)
         for copy in self.life.copies(State.COMPLETING):
             self.life.complete_deferred(copy)
-        for copy in self.life.started_late(time.monotonic()):
+        now = time.monotonic()
+        for copy in self.life.started_late(now):
             self.life.start_overdue(copy)
+        for copy in self.life.overran(now):
+            self.life.time_limit_passed(copy)
         if self.settings.refresh_unacked:
             self.refresh_deliveries()
 
@@ -165,10 +169,7 @@ class Keeper:
 
     def refresh_deliveries(self) -> None:
         """Set the ``unacked_index`` score of claimed and held Redis deliveries to now."""
-        live = self.life.copies(
-            State.HELD, State.WAITING, State.QUEUED, State.RUNNING, State.COMPLETING
-        )
-        deliveries = [c.delivery for c in live if c.delivery is not None]
+        deliveries = [c.delivery for c in self.life.refreshed() if c.delivery is not None]
         if not deliveries:
             return
         try:

@@ -53,6 +53,11 @@ class ClaimsRuntime:
             self.lanes = WorkerLanes(settings, store, self.counters)
         #: every delivered copy and its state
         self.life = Lifecycle(settings, self.manager, self.counters, self.lanes, hostname)
+        #: the worker's default ``(soft, hard)`` time limits (``task_*time_limit``, or the
+        #: ``celery worker`` options), set when the worker starts
+        self.time_limits: tuple[float | None, float | None] = (None, None)
+        #: the worker's pool, by Celery's name (``prefork``, ``threads``, ...), when known
+        self.pool_name = ""
 
     def live_claims(self) -> list[Copy]:
         """The copies whose claims are renewed right now."""

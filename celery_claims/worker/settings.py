@@ -25,6 +25,7 @@ from celery_claims.config import (
     DEFAULT_LANE_RECHECK_MS,
     DEFAULT_LEASE_MS,
     DEFAULT_MAX_TAKEOVERS,
+    DEFAULT_METRICS_PORTS,
     DEFAULT_RENEW_INTERVAL_MS,
     DEFAULT_SOCKET_TIMEOUT_MS,
     DEFAULT_START_TIMEOUT_MS,
@@ -35,6 +36,7 @@ from celery_claims.config import (
     SETTINGS,
     LaneSpec,
     parse_lanes,
+    parse_ports,
     resolve,
     setting,
 )
@@ -60,6 +62,7 @@ __all__ = [
     "add_worker_options",
     "load_settings",
     "parse_lanes",
+    "parse_ports",
 ]
 
 
@@ -97,6 +100,9 @@ class ClaimsSettings:
             (``claims_start_timeout_ms``; at least ``claims_lease_ms``).
         max_takeovers: takeovers of one attempt before it is given up as poison
             (``claims_max_takeovers``; ``None``: never).
+        metrics_port: (first, last) ports the worker's metrics exporter tries in turn,
+            taking the first free one (``claims_metrics_port``: a port, ``"first-last"``, or
+            0 for any free port); read by :func:`celery_claims.metrics.install_metrics`.
     """
 
     redis_url: str
@@ -118,6 +124,7 @@ class ClaimsSettings:
     strict_settings: bool = False
     start_timeout_ms: int = DEFAULT_START_TIMEOUT_MS
     max_takeovers: int | None = DEFAULT_MAX_TAKEOVERS
+    metrics_port: tuple[int, int] = DEFAULT_METRICS_PORTS
 
     def renew_interval_for(self, lease_ms: int) -> int:
         """How often a claim of ``lease_ms`` is renewed, in ms.

@@ -148,3 +148,29 @@ def test_the_check_reads_a_lease_given_alone_as_the_worker_does() -> None:
     assert "claims_renew_interval_ms" not in {f.key for f in roomy}
     [renew] = [f for f in tight if f.key == "claims_renew_interval_ms"]
     assert "(5000 ms)" in renew.message
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo", "eventlet", "gevent"])
+def test_a_pool_that_does_not_stop_a_hung_task_gets_a_notice_saying_what_claims_do_instead(
+    pool: str,
+) -> None:
+    # Given a safe configuration, When the workers run a pool that does not enforce limits
+    result = check_settings(SAFE, pool=pool)
+    from_conf = check_settings({**SAFE, "worker_pool": pool})
+
+    # Then one notice says so, and that the claim is no longer renewed past the limit
+    assert result == from_conf
+    assert [(f.key, f.severity) for f in result] == [("worker_pool", Severity.NOTICE)]
+    assert "stops renewing a task's claim once its time limit has passed" in result[0].message
+    assert "600 s" in result[0].message
+
+
+def test_prefork_enforces_time_limits_itself_and_gets_no_notice() -> None:
+    assert check_settings(SAFE, pool="prefork") == []
+    assert check_settings({**SAFE, "worker_pool": "prefork"}) == []
+
+
+def test_notices_come_after_warnings() -> None:
+    result = check_settings({**SAFE, "task_acks_late": False, "task_time_limit": None}, pool="solo")
+
+    assert [f.severity for f in result] == [Severity.ERROR, Severity.WARNING, Severity.NOTICE]
