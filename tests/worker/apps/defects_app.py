@@ -48,3 +48,17 @@ def sleep(self: Any, seconds: float) -> float:
     time.sleep(seconds)
     record("end", self)
     return seconds
+
+
+@app.task(bind=True, name="defects.until")
+def until(self: Any, key: str, timeout_s: float = 60.0) -> str:
+    """Run until the test sets ``key`` on ``LOG`` (a cross-process release), then return."""
+    record("start", self)
+    assert _log is not None
+    deadline = time.monotonic() + timeout_s
+    while not _log.exists(key):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key} was never set")
+        time.sleep(0.02)
+    record("end", self)
+    return "done"
