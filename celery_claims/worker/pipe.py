@@ -190,10 +190,11 @@ _HEADS: dict[tuple[str, ...], bytes] = {}
 _HEADS_MAX = 1024
 
 
-def _reply_error(message: str) -> ClaimError:
+def _reply_error(message: str, *, context: str = "") -> ClaimError:
+    # the error's own first word decides ("LOADING ..."), not the context put before it
     if message.startswith(_UNAVAILABLE_ERRORS):
-        return BackendUnavailable(f"claim store unavailable: {message}")
-    return BackendError(f"claim store error: {message}")
+        return BackendUnavailable(f"claim store unavailable: {context}{message}")
+    return BackendError(f"claim store error: {context}{message}")
 
 
 def _ignore(outcome: Outcome) -> None:
@@ -386,7 +387,7 @@ class StorePipe:
                 if isinstance(reply, ReplyError):
                     # LOADING and the like mean "not now", like a refused connection; the
                     # rest (NOAUTH, a wrong password) is a configuration error
-                    raise _reply_error(f"{command[0]} refused: {reply:.200}")
+                    raise _reply_error(f"{reply:.200}", context=f"{command[0]} refused: ")
         except OSError as exc:
             raise BackendUnavailable(f"claim store unavailable: {exc}") from exc
 

@@ -27,6 +27,7 @@ from celery_claims import (
     StaleClaimToken,
     Success,
 )
+from celery_claims.worker import pipe as pipe_module
 from celery_claims.worker.pipe import ReplyError, RespReader, StorePipe, encode_command
 from tests.servers import RedisServer, command_calls, redis_server
 from tests.worker.helpers import close_app, in_process_worker, make_app, wait_for
@@ -467,3 +468,18 @@ def test_a_worker_sends_one_claim_and_one_completion_per_message_and_nothing_els
     stats = claims.stats()
     assert (stats.successes, stats.acks) == (21, 21)
     assert claims.active_claims(queue) == 0
+
+
+def test_a_loading_store_refusing_the_handshake_is_unavailable_not_an_error() -> None:
+    # Given the reply a restarting store gives to the handshake's SCRIPT LOAD
+    reply = "LOADING Redis is loading the dataset in memory"
+
+    # When it is turned into the pipe's error, with the refused command named before it
+    error = pipe_module._reply_error(reply, context="SCRIPT refused: ")
+
+    # Then it means "not now", like a refused connection, and says which command was refused
+    assert isinstance(error, BackendUnavailable)
+    assert "SCRIPT refused: LOADING" in str(error)
+    assert not isinstance(
+        pipe_module._reply_error("NOAUTH Authentication required."), BackendUnavailable
+    )
