@@ -3,7 +3,7 @@
     python bench/memory.py [--records 100000] [--queue-sizes]
 
 Claims ``N`` tasks with 36-character Celery task ids as the worker names them
-(``<uuid>:<retries>:<nesting>``), by owners shaped like the worker's (``hostname/pid/nonce/n``,
+(``<uuid>:<retries>:<nesting>``), by owners shaped like the worker's (``hostname/pid/nonce.n``,
 one process), and reads ``used_memory`` before and after: the delta over ``N`` is the cost of
 one live claim. Then it completes every claim with a 24 h retention and reads the delta again:
 the cost of one completion record (the claims are gone by then). Nothing else runs on that
@@ -51,26 +51,16 @@ def measure(port: int, records: int, queue: str = "celery") -> tuple[float, floa
     pipe_size = 1000
     for first in range(0, records, pipe_size):
         calls = [
-            manager.claim_call(queue, task_id, f"{OWNER_HEAD}/{first + i:x}", LEASE_MS)
+            manager.claim_call(queue, task_id, f"{OWNER_HEAD}.{first + i:x}", LEASE_MS)
             for i, task_id in enumerate(ids[first : first + pipe_size])
         ]
-        with client.pipeline(transaction=False) as pipe:
-            for call in calls:
-                call.script(keys=call.keys, args=call.args, client=pipe)
-            replies = pipe.execute()
-        for call, reply in zip(calls, replies, strict=True):
-            result = call.decode(reply)
+        for result in manager.execute_many(calls):
             assert result.token is not None, result
             tokens.append(result.token)
     claimed = used_memory(client)
     for first in range(0, records, pipe_size):
         calls = [manager.complete_call(t, RETENTION_MS) for t in tokens[first : first + pipe_size]]
-        with client.pipeline(transaction=False) as pipe:
-            for call in calls:
-                call.script(keys=call.keys, args=call.args, client=pipe)
-            replies = pipe.execute()
-        for call, reply in zip(calls, replies, strict=True):
-            call.decode(reply)
+        manager.execute_many(calls)
     completed = used_memory(client)
     assert manager.active_claims(queue) == 0
     client.close()

@@ -278,4 +278,3 @@ def test_one_cleanup_purges_more_expired_completion_records_than_one_batch(
     assert manager.cleanup_expired() == 0  # no claim expired: records are not counted
 
     assert redis_client.hlen(manager.keys(Q).done) == 0
-    assert redis_client.zcard(manager.keys(Q).done_expiries) == 0
