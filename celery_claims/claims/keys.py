@@ -1,7 +1,10 @@
 """Every Redis key name of the claim store, spelled in one place.
 
 All keys of one queue share the hash tag ``{<escaped queue id>}``, so each queue's script
-touches one Redis Cluster slot. Ids are escaped before they go into a key: ``%``, ``{``, ``}``
+touches one Redis Cluster slot. A claim and a completion record are each one field of one hash
+(no sorted-set index: it would store every task id a second time), with the compact values
+described on :attr:`QueueKeys.claims` and :attr:`QueueKeys.done`; the Lua code that reads and
+writes them is ``lua/_common.lua``. Ids are escaped before they go into a key: ``%``, ``{``, ``}``
 and ``:`` become ``%25``, ``%7B``, ``%7D`` and ``%3A``, so a queue id can neither open another
 hash tag nor collide with another queue's keys (the escape is injective).
 """
