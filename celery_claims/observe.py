@@ -24,9 +24,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from celery_claims.claims.keys import QueueKeys, escape, require_prefix
-from celery_claims.claims.redis import RedisClaimManager, RedisClient, translate_errors
+from celery_claims.claims.keys import escape, require_prefix
+from celery_claims.claims.redis import (
+    RedisClaimManager,
+    RedisClient,
+    StoredTask,
+    translate_errors,
+)
 from celery_claims.errors import InvalidArgument
+from celery_claims.model import GivenUp
 from celery_claims.validation import require_id
 
 __all__ = [
@@ -144,35 +150,54 @@ def _split_claim_id(claim_task_id: str) -> tuple[str, str]:
     return claim_task_id, "-"
 
 
-def _view(queue: str, field_name: str, raw: Any, now_ms: int, *, done: bool) -> ClaimView:
-    # entries are "instance:created_at:expires_at:owner", records "instance:done_at:until:owner"
-    # or, given up, "0:given_up_at:until:takeovers:owner" (see claims/keys.py); the owner may
-    # itself contain ":", so split three times only
-    instance, first, second, owner = _text(raw).split(":", 3)
-    task_id, attempt = _split_claim_id(field_name)
-    until = int(second)
-    takeovers = 0
-    if done and instance == "0":
-        state, remaining = "given_up", 0
-        count, owner = owner.split(":", 1)
-        takeovers = int(count)
-    elif done:
-        state, remaining = "done", 0
-    elif now_ms < until:
-        state, remaining = "running", until - now_ms
-    else:
-        state, remaining = "expired", 0
+def _claim_view(queue: str, stored: StoredTask, now_ms: int) -> ClaimView | None:
+    token = stored.claim
+    if token is None:
+        return None
+    task_id, attempt = _split_claim_id(stored.task_id)
+    live = now_ms < token.expires_at
     return ClaimView(
         queue,
         task_id,
         attempt,
-        state,
-        owner,
-        int(instance),
-        int(first),
-        until,
-        remaining,
-        takeovers,
+        "running" if live else "expired",
+        token.owner,
+        token.instance,
+        token.created_at,
+        token.expires_at,
+        token.remaining_ms(now_ms),
+    )
+
+
+def _record_view(queue: str, stored: StoredTask, now_ms: int) -> ClaimView | None:
+    record = stored.record
+    # a completion record past its retention is gone for the gate: hide it here too
+    if record is None or stored.record_until_ms <= now_ms:
+        return None
+    task_id, attempt = _split_claim_id(stored.task_id)
+    if isinstance(record, GivenUp):
+        return ClaimView(
+            queue,
+            task_id,
+            attempt,
+            "given_up",
+            record.previous_owner,
+            0,
+            record.given_up_at,
+            stored.record_until_ms,
+            0,
+            record.takeovers,
+        )
+    return ClaimView(
+        queue,
+        task_id,
+        attempt,
+        "done",
+        record.owner,
+        record.instance,
+        record.done_at,
+        stored.record_until_ms,
+        0,
     )
 
 
@@ -204,8 +229,8 @@ def find_claims(
     """Every claim and completion record of the Celery task ``task_id``, in every queue.
 
     The claim store names a claim ``<task id>:<retries>:<nesting>`` (one per attempt), so this
-    reads the candidate fields of each queue's claims and completion hashes with two ``HMGET``
-    per queue, in one pipelined round trip: no scan of the hashes.
+    reads the candidate names of each queue with one script call per queue, in one pipelined
+    round trip: no scan of the hashes.
 
     Args:
         manager: the claim store.
@@ -228,23 +253,11 @@ def find_claims(
     ]
     queue_ids = list(manager.known_queues() if queues is None else queues)
     now = server_now_ms(manager.client) if now_ms is None else now_ms
-    with translate_errors():
-        pipe = manager.client.pipeline(transaction=False)
-        for queue in queue_ids:
-            keys = QueueKeys(manager.prefix, queue)
-            pipe.hmget(keys.claims, names)
-            pipe.hmget(keys.done, names)
-        replies = pipe.execute()
+    found = manager.execute_many([manager.read_call(queue, names) for queue in queue_ids])
     views: list[ClaimView] = []
-    for index, queue in enumerate(queue_ids):
-        live, done = replies[2 * index], replies[2 * index + 1]
-        for name, raw in zip(names, live, strict=True):
-            if raw is not None:
-                views.append(_view(queue, name, raw, now, done=False))
-        for name, raw in zip(names, done, strict=True):
-            # a completion record past its retention is gone for the gate: hide it here too
-            if raw is not None and (view := _view(queue, name, raw, now, done=True)).until_ms > now:
-                views.append(view)
+    for queue, stored in zip(queue_ids, found, strict=True):
+        views += [v for s in stored if (v := _claim_view(queue, s, now)) is not None]
+        views += [v for s in stored if (v := _record_view(queue, s, now)) is not None]
     return views
 
 

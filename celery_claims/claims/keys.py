@@ -1,7 +1,10 @@
 """Every Redis key name of the claim store, spelled in one place.
 
 All keys of one queue share the hash tag ``{<escaped queue id>}``, so each queue's script
-touches one Redis Cluster slot. Ids are escaped before they go into a key: ``%``, ``{``, ``}``
+touches one Redis Cluster slot. A claim and a completion record are each one field of one hash
+(no sorted-set index: it would store every task id a second time), with the compact values
+described on :attr:`QueueKeys.claims` and :attr:`QueueKeys.done`; the Lua code that reads and
+writes them is ``lua/_common.lua``. Ids are escaped before they go into a key: ``%``, ``{``, ``}``
 and ``:`` become ``%25``, ``%7B``, ``%7D`` and ``%3A``, so a queue id can neither open another
 hash tag nor collide with another queue's keys (the escape is injective).
 """
@@ -53,13 +56,16 @@ class QueueKeys:
 
     @cached_property
     def claims(self) -> str:
-        """Hash: task id -> ``instance:created_at:expires_at:owner``."""
-        return f"{self.tag}:c"
+        """Hash: task id -> claim entry ``instance,created_at,lease,takeovers,owner id,tail``.
 
-    @cached_property
-    def expiries(self) -> str:
-        """Sorted set: task id scored by ``expires_at`` (counting, listing, cleanup)."""
-        return f"{self.tag}:e"
+        Numbers in base 36 (``lease`` = ``expires_at - created_at``; ``takeovers``: the task's
+        takeovers so far, counted only with a takeover limit, so the count costs no memory of
+        its own and goes with the entry). The owner is split after its last ``/`` or ``.``:
+        the head (one worker process, ``hostname/pid/nonce.``) is written once in
+        :attr:`owners`, the entry keeps its id and the tail (``0``: no head). The earlier
+        format ``instance:created_at:expires_at:owner`` (decimal) is still read.
+        """
+        return f"{self.tag}:c"
 
     @cached_property
     def counter(self) -> str:
@@ -73,50 +79,63 @@ class QueueKeys:
 
     @cached_property
     def done(self) -> str:
-        """Hash: task id -> completion record ``instance:done_at:until:owner``.
+        """Hash: task id -> completion record ``instance,done_at,retention,owner id,tail``.
 
-        A task given up as poison has the record ``0:given_up_at:until:takeovers:owner``:
-        instance 0 is never issued, so it marks the record as given up, and a reader that only
-        knows completion records still reads it as "done" (acked without running).
+        A task given up as poison has the record ``0,given_up_at,retention,takeovers,owner id,
+        tail``: instance 0 is never issued, so it marks the record as given up. Base 36,
+        ``retention`` = ``until - done_at``, the owner as in :attr:`claims`. The earlier
+        formats ``instance:done_at:until:owner`` and ``0:given_up_at:until:takeovers:owner``
+        are still read.
         """
         return f"{self.tag}:d"
 
     @cached_property
-    def done_expiries(self) -> str:
-        """Sorted set: task id scored by the end of its completion record's retention."""
-        return f"{self.tag}:x"
+    def owners(self) -> str:
+        """Hash: the owner heads of the queue's entries and records, each written once.
+
+        ``h<head>`` -> id, ``i<id>`` -> head, ``r<id>`` -> how many entries and records name
+        it (the head is deleted with its last one), ``#`` -> the last id given (base 36).
+        """
+        return f"{self.tag}:o"
 
     @cached_property
-    def takeovers(self) -> str:
-        """Hash: task id -> takeovers of its claim so far (only with a takeover limit)."""
-        return f"{self.tag}:t"
+    def sweep(self) -> str:
+        """Hash: where cleanup's walk over :attr:`claims` (``c``) and :attr:`done` (``d``)
+        stopped (``HSCAN`` cursors)."""
+        return f"{self.tag}:w"
+
+    @cached_property
+    def legacy_keys(self) -> list[str]:
+        """Keys only earlier releases wrote (expiry and retention sorted sets, takeover
+        counts); cleanup unlinks them."""
+        return [f"{self.tag}:e", f"{self.tag}:x", f"{self.tag}:t"]
 
     @cached_property
     def claim_keys(self) -> list[str]:
         """KEYS of claim.lua."""
-        return [
-            self.claims,
-            self.expiries,
-            self.counter,
-            self.stats,
-            self.done,
-            self.takeovers,
-            self.done_expiries,
-        ]
+        return [self.claims, self.counter, self.stats, self.done, self.owners]
 
     @cached_property
     def release_keys(self) -> list[str]:
-        """KEYS of release.lua."""
-        return [
-            self.claims,
-            self.expiries,
-            self.stats,
-            self.done,
-            self.done_expiries,
-            self.takeovers,
-        ]
+        """KEYS of release.lua (and the first four of ack_done.lua)."""
+        return [self.claims, self.stats, self.done, self.owners]
+
+    @cached_property
+    def entry_keys(self) -> list[str]:
+        """KEYS of extend.lua, renew.lua, peek.lua and list.lua."""
+        return [self.claims, self.owners]
+
+    @cached_property
+    def record_keys(self) -> list[str]:
+        """KEYS of done.lua."""
+        return [self.done, self.owners]
+
+    @cached_property
+    def read_keys(self) -> list[str]:
+        """KEYS of read.lua."""
+        return [self.claims, self.done, self.owners]
 
     @cached_property
     def cleanup_keys(self) -> list[str]:
-        """KEYS of cleanup.lua: the same keys as release.lua's, in the same order."""
-        return self.release_keys
+        """KEYS of cleanup.lua."""
+        return [self.claims, self.stats, self.done, self.owners, self.sweep, *self.legacy_keys]

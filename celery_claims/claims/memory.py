@@ -211,7 +211,9 @@ class MemoryClaimManager:
         """See :meth:`celery_claims.ClaimManager.cleanup_expired`."""
         budget = require_limit(limit) or 2**62
         removed = 0
-        # soonest expiry first, queues in sorted order: the order the Redis backend uses
+        # soonest expiry first, queues in sorted order (the Redis backend, which keeps no expiry
+        # index, removes a limited run's share in its sweep's order: which ones go first is
+        # not part of the contract)
         for _, queue in sorted(self._queues.items()):
             with queue.lock:
                 now = self._clock()

@@ -75,7 +75,8 @@ class ClaimManager(Protocol):
         Their takeover counts go with them, and records past their retention are purged.
 
         Args:
-            limit: stop after removing about this many (``None``: remove them all).
+            limit: stop after removing about this many (``None``: remove them all); which
+                expired claims a limited run removes first is up to the backend.
         """
         ...
 

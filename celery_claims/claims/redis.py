@@ -55,15 +55,19 @@ from celery_claims.validation import (
     require_tokens,
 )
 
-__all__ = ["RedisClaimManager", "RedisClient", "ScriptCall"]
+__all__ = ["RedisClaimManager", "RedisClient", "ScriptCall", "StoredTask"]
 
 _T = TypeVar("_T")
 
 #: A standalone or cluster redis-py client.
 RedisClient: TypeAlias = "redis.Redis | redis.RedisCluster"
 
-#: Expired claims removed per script call by ``cleanup_expired``; bounds each call's run time.
+#: Entries of each hash one ``cleanup_expired`` script call examines; bounds its run time.
 CLEANUP_BATCH = 500
+
+#: A ``cleanup_expired`` run with a limit examines at most this many entries of each hash of a
+#: queue per claim it may remove (with the defaults, 200,000 per run of each hash).
+SWEEP_PER_LIMIT = 20
 
 #: Queues whose key names a manager keeps built (a worker has a handful).
 _QUEUE_KEYS_CACHED = 1024
@@ -78,6 +82,7 @@ _SCRIPTS = (
     "cleanup",
     "done",
     "ack_done",
+    "read",
 )
 
 #: Driver errors that mean "the store could not be reached", as opposed to a bug.
@@ -133,6 +138,25 @@ class ScriptCall(Generic[_T]):
     keys: list[str]
     args: list[Any]
     decode: Callable[[Any], _T]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTask:
+    """What the claim store holds for one task id, expired or not (:meth:`RedisClaimManager.read`).
+
+    Attributes:
+        task_id: the claim store's task id.
+        claim: its claim entry as a token (``None``: no entry), live or expired.
+        takeovers: the claim's takeovers so far (counted only with a takeover limit).
+        record: its completion record (``None``: no record), within its retention or not.
+        record_until_ms: epoch ms the record is kept until (0 without a record).
+    """
+
+    task_id: str
+    claim: ClaimToken | None
+    takeovers: int
+    record: AlreadyDone | GivenUp | None
+    record_until_ms: int
 
 
 class RedisClaimManager:
@@ -324,6 +348,22 @@ class RedisClaimManager:
             reply = call.script(keys=call.keys, args=call.args)
         return call.decode(reply)
 
+    def execute_many(self, calls: Sequence[ScriptCall[_T]]) -> list[_T]:
+        """Send ``calls`` in one pipelined round trip (one by one on Redis Cluster, whose
+        pipelines cannot load a script) and decode each reply, in order.
+
+        Raises:
+            as :meth:`execute`, for the first call whose reply is an error.
+        """
+        if isinstance(self.client, redis.RedisCluster):
+            return [self.execute(call) for call in calls]
+        with translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for call in calls:
+                call.script(keys=call.keys, args=call.args, client=pipe)
+            replies = pipe.execute()
+        return [call.decode(reply) for call, reply in zip(calls, replies, strict=True)]
+
     def release(self, token: ClaimToken) -> None:
         """See :meth:`celery_claims.ClaimManager.release`."""
         self._release(token, "")
@@ -349,7 +389,7 @@ class RedisClaimManager:
         require_ms("additional_ms", additional_ms)
         reply = self._run(
             "extend",
-            [keys.claims, keys.expiries],
+            keys.entry_keys,
             [token.task_id, token.owner, token.instance, additional_ms],
         )
         status = int(reply[0])
@@ -380,7 +420,7 @@ class RedisClaimManager:
     def _peek(self, queue_id: str, task_id: str) -> ClaimToken | None:
         keys = self.keys(queue_id)
         require_id("task_id", task_id)
-        reply = self._run("peek", [keys.claims], [task_id, self._now()])
+        reply = self._run("peek", keys.entry_keys, [task_id, self._now()])
         if not reply:
             return None
         instance, created, expires, owner = reply
@@ -395,18 +435,44 @@ class RedisClaimManager:
         return sorted(_text(m) for m in members)
 
     def cleanup_expired(self, *, limit: int | None = None) -> int:
-        """See :meth:`celery_claims.ClaimManager.cleanup_expired`."""
+        """See :meth:`celery_claims.ClaimManager.cleanup_expired`.
+
+        There is no expiry index (it would store every task id a second time), so cleanup
+        walks each queue's claims and records with ``HSCAN``, :data:`CLEANUP_BATCH` entries
+        of each per script call. Without a limit it walks both hashes through from the start.
+        With one, it resumes where the last run stopped and ends once ``limit`` claims are
+        removed and, for each hash, once it is swept through or :data:`SWEEP_PER_LIMIT` times
+        ``limit`` entries of it were examined; records past their retention are purged on the
+        way and not counted.
+        """
         budget = require_limit(limit)
+        scan = None if budget is None else budget * SWEEP_PER_LIMIT
         removed = 0
         for queue_id in self.known_queues():
-            keys = QueueKeys(self.prefix, queue_id)
-            while budget is None or removed < budget:
-                batch = CLEANUP_BATCH if budget is None else min(CLEANUP_BATCH, budget - removed)
-                claims, records = self._run("cleanup", keys.cleanup_keys, [self._now(), batch])
-                removed += int(claims)
-                # a full batch of either kind means more may be waiting
-                if int(claims) < batch and int(records) < batch:
-                    break
+            left = None if budget is None else budget - removed
+            removed += self._sweep(QueueKeys(self.prefix, queue_id), left, scan)
+        return removed
+
+    def _sweep(self, keys: QueueKeys, budget: int | None, scan: int | None) -> int:
+        """Sweep one queue (see :meth:`cleanup_expired`); returns the claims removed."""
+        claims, records = _Walk.first(budget, scan), _Walk.first(budget, scan)
+        if budget is not None and budget <= 0:
+            claims.cursor = _Walk.DONE  # nothing more may be removed; records are still purged
+        removed = 0
+        while not (claims.done and records.done):
+            most = CLEANUP_BATCH if budget is None else budget - removed
+            reply = self._run(
+                "cleanup",
+                keys.cleanup_keys,
+                [self._now(), most, CLEANUP_BATCH, claims.cursor, records.cursor],
+            )
+            gone, _, claims_next, records_next, claims_read, records_read = reply
+            removed += int(gone)
+            # a call that removed its most may have left expired claims on its page
+            claims.advance(_text(claims_next), int(claims_read), swept=int(gone) < most)
+            records.advance(_text(records_next), int(records_read), swept=True)
+            if budget is not None and removed >= budget:
+                claims.cursor = _Walk.DONE
         return removed
 
     def stats(self) -> ClaimStats:
@@ -432,19 +498,18 @@ class RedisClaimManager:
     def active_claims(self, queue_id: str) -> int:
         """See :meth:`celery_claims.ClaimManager.active_claims`."""
         keys = self.keys(queue_id)
-        return int(self._run("list", [keys.claims, keys.expiries], [self._now(), "count"]))
+        return int(self._run("list", keys.entry_keys, [self._now(), "count"]))
 
     def list_claims(self, queue_id: str) -> list[ClaimToken]:
         """See :meth:`celery_claims.ClaimManager.list_claims`."""
         keys = self.keys(queue_id)
-        reply = self._run("list", [keys.claims, keys.expiries], [self._now(), "list"])
-        tokens = []
-        for task, entry in zip(reply[::2], reply[1::2], strict=True):
-            instance, created, expires, owner = _text(entry).split(":", 3)
-            tokens.append(
-                ClaimToken(queue_id, _text(task), owner, int(instance), int(created), int(expires))
-            )
-        return tokens
+        reply = self._run("list", keys.entry_keys, [self._now(), "list"])
+        tokens = [
+            ClaimToken(queue_id, _text(task), _text(owner), int(instance), int(created), int(ends))
+            for task, instance, created, ends, owner in zip(*[iter(reply)] * 5, strict=True)
+        ]
+        # soonest expiry first, ties by task id (the order of the original's sorted index)
+        return sorted(tokens, key=lambda t: (t.expires_at, t.task_id))
 
     # --- additions for the Celery integration ---------------------------------------------
 
@@ -521,13 +586,35 @@ class RedisClaimManager:
         """See :meth:`celery_claims.ClaimManager.done_record`."""
         keys = self.keys(queue_id)
         require_id("task_id", task_id)
-        reply = self._run("done", [keys.done], [task_id, self._now()])
+        reply = self._run("done", keys.record_keys, [task_id, self._now()])
         if not reply:
             return None
         record = _gate_result(reply, queue_id=queue_id, task_id=task_id, owner="")
         if not isinstance(record, (AlreadyDone, GivenUp)):
             raise BackendError(f"done.lua answered {record!r}, not a record")
         return record
+
+    def read(self, queue_id: str, task_ids: Sequence[str]) -> list[StoredTask]:
+        """What the store holds for each of ``task_ids``, expired or not (one round trip).
+
+        For operators' views (``celery claims inspect``) and tests: the gate never needs it.
+
+        Raises:
+            InvalidArgument: a bad queue or task id.
+            BackendUnavailable: the store could not be reached.
+        """
+        return self.execute(self.read_call(queue_id, task_ids))
+
+    def read_call(self, queue_id: str, task_ids: Sequence[str]) -> ScriptCall[list[StoredTask]]:
+        """The checked, unsent call of :meth:`read` (to pipeline several queues)."""
+        keys = self.keys(queue_id)
+        names = [require_id("task_ids", task_id) for task_id in task_ids]
+        return ScriptCall(
+            self._scripts["read"],
+            keys.read_keys,
+            names,
+            partial(_stored_tasks, queue_id=queue_id, task_ids=names),
+        )
 
     def renew(
         self, queue_id: str, tokens: Sequence[ClaimToken], lease_ms: int
@@ -541,7 +628,7 @@ class RedisClaimManager:
         args: list[Any] = [lease_ms, self._now()]
         for token in checked:
             args += [token.task_id, token.owner, token.instance]
-        reply = self._run("renew", [keys.claims, keys.expiries], args)
+        reply = self._run("renew", keys.entry_keys, args)
         results: list[ClaimToken | ClaimTokenError] = []
         for token, status, created_at, expires_at in zip(
             checked, reply[::3], reply[1::3], reply[2::3], strict=True
@@ -559,6 +646,55 @@ class RedisClaimManager:
             else:
                 results.append(token_error(int(status), token))
         return self._replicated(results)
+
+
+@dataclass(slots=True)
+class _Walk:
+    """Cleanup's walk over one hash: the ``HSCAN`` cursor to send, and what is left to read."""
+
+    #: The cursor sent for a hash that is done with (cleanup.lua reads nothing of it).
+    DONE = "-"
+
+    cursor: str
+    left: int | None  # entries still to examine this run (None: no bound)
+
+    @classmethod
+    def first(cls, budget: int | None, scan: int | None) -> _Walk:
+        # without a limit a run walks from the start; with one it resumes the saved cursor ('')
+        return cls("0" if budget is None else "", scan)
+
+    @property
+    def done(self) -> bool:
+        return self.cursor == self.DONE
+
+    def advance(self, cursor: str, examined: int, *, swept: bool) -> None:
+        if self.done:
+            return
+        if self.left is not None:
+            self.left -= examined
+        through = cursor == "0" and swept
+        self.cursor = self.DONE if through or (self.left is not None and self.left <= 0) else cursor
+
+
+def _stored_tasks(reply: Any, queue_id: str, task_ids: list[str]) -> list[StoredTask]:
+    stored = []
+    for index, task_id in enumerate(task_ids):
+        instance, created, expires, takeovers, owner, kind, number, at, until, by = reply[
+            10 * index : 10 * index + 10
+        ]
+        claim = None
+        if int(instance):
+            claim = ClaimToken(
+                queue_id, task_id, _text(owner), int(instance), int(created), int(expires)
+            )
+        record = None
+        if int(kind):
+            found = _gate_result([kind, number, at, by], queue_id, task_id, "")
+            if not isinstance(found, (AlreadyDone, GivenUp)):
+                raise BackendError(f"read.lua answered {found!r}, not a record")
+            record = found
+        stored.append(StoredTask(task_id, claim, int(takeovers), record, int(until)))
+    return stored
 
 
 def _release_result(reply: Any, token: ClaimToken) -> None:

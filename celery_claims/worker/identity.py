@@ -65,10 +65,12 @@ def claim_task_id(task_id: str, attempt: Attempt) -> str:
 def new_owner(hostname: str) -> str:
     """A fresh owner string for one delivery in this process: ``hostname/pid/nonce``.
 
-    The nonce is random per process (drawn again in a forked child) followed by a counter, so
-    no two deliveries share an owner, even across restarts that reuse a pid.
+    The nonce is random per process (drawn again in a forked child), a ``.``, and a counter,
+    so no two deliveries share an owner, even across restarts that reuse a pid. The claim
+    store writes an owner's part up to its last ``.`` once per queue and keeps only the
+    counter in each claim and completion record (see ``claims/keys.py``).
     """
-    return f"{hostname}/{os.getpid()}/{_nonce[0]}{next(_nonce[1]):x}"
+    return f"{hostname}/{os.getpid()}/{_nonce[0]}.{next(_nonce[1]):x}"
 
 
 def _fresh_nonce() -> tuple[str, Iterator[int]]:

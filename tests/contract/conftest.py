@@ -51,8 +51,10 @@ def takeover_counts(backend: Backend, queue_id: str) -> dict[str, int]:
     """The per-task takeover counts the backend keeps for ``queue_id`` (its raw state)."""
     manager = backend.manager
     if isinstance(manager, RedisClaimManager):
-        raw = manager.client.hgetall(manager.keys(queue_id).takeovers)
-        return {k.decode(): int(v) for k, v in raw.items()}
+        # counted inside the claim entries: read every entry of the queue
+        tasks = [k.decode() for k in manager.client.hkeys(manager.keys(queue_id).claims)]
+        stored = manager.read(queue_id, tasks) if tasks else []
+        return {s.task_id: s.takeovers for s in stored if s.takeovers}
     assert isinstance(manager, MemoryClaimManager)
     queue = manager._queues.get(queue_id)  # the specification's own state, read only
     return {} if queue is None else dict(queue.takeovers)

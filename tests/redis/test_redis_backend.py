@@ -133,7 +133,14 @@ def test_the_constructor_validates_its_arguments(kwargs: dict[str, object], name
 def test_all_keys_of_a_queue_share_one_cluster_slot(manager: RedisClaimManager) -> None:
     for queue_id in ["plain", "a:b", "{tagged}", "}{", "%7B"]:
         keys = manager.keys(queue_id)
-        names = [*keys.claim_keys, *keys.release_keys, *keys.cleanup_keys]
+        names = [
+            *keys.claim_keys,
+            *keys.release_keys,
+            *keys.cleanup_keys,
+            *keys.entry_keys,
+            *keys.record_keys,
+            *keys.read_keys,
+        ]
         assert len({key_slot(k.encode()) for k in names}) == 1, names
 
 
@@ -278,4 +285,3 @@ def test_one_cleanup_purges_more_expired_completion_records_than_one_batch(
     assert manager.cleanup_expired() == 0  # no claim expired: records are not counted
 
     assert redis_client.hlen(manager.keys(Q).done) == 0
-    assert redis_client.zcard(manager.keys(Q).done_expiries) == 0

@@ -58,29 +58,27 @@ def test_a_completion_record_of_an_earlier_release_still_parses(
     assert record == answer == AlreadyDone(owner="host:1/42/n", instance=5, done_at=clock() - 10)
 
 
-def test_a_given_up_record_reads_as_done_to_a_reader_of_the_old_format(
+def test_a_given_up_record_of_an_earlier_release_still_reads_as_given_up(
     redis_client: redis.Redis,
 ) -> None:
-    # Given a task given up as poison by a worker whose owner string holds ':'
+    # Given a given-up record in the format earlier releases wrote, by an owner with a ':'
     clock = ManualClock()
     manager = RedisClaimManager(client=redis_client, clock=clock)
-    manager.claim(Q, "poison", "host:1/7/a", LEASE)
-    clock.advance(LEASE)
-    given_up = manager.claim_unless_done(Q, "poison", "host:2/8/b", LEASE, max_takeovers=0)
-    assert given_up == GivenUp(previous_owner="host:1/7/a", takeovers=0, given_up_at=clock())
+    until = clock() + 60_000
+    raw = f"0:{clock() - 10}:{until}:3:host:1/7/a"
+    assert OLD_RECORD.match(raw)
+    redis_client.hset(manager.keys(Q).done, "poison", raw)
 
-    # When the stored record is read with the old format's pattern
-    raw = redis_client.hget(manager.keys(Q).done, "poison")
-    assert raw is not None
-    match = OLD_RECORD.match(raw.decode())
+    # When it is read and a copy of the task asks for the claim
+    record = manager.done_record(Q, "poison")
+    answer = manager.claim_unless_done(Q, "poison", "host:2/8/b", LEASE, max_takeovers=3)
 
-    # Then it parses, with an instance no claim ever gets (0): a worker of an earlier release
-    # acks the copy without running it, which is what "given up" asks of it
-    assert match is not None
-    assert match.group(1) == "0"
-    assert int(match.group(3)) > clock()
-    # and this release reads it back exactly
-    assert manager.done_record(Q, "poison") == given_up
+    # Then both read it as given up, after 3 takeovers, by that owner
+    assert (
+        record
+        == answer
+        == GivenUp(previous_owner="host:1/7/a", takeovers=3, given_up_at=clock() - 10)
+    )
 
 
 def test_claim_call_carries_the_takeover_limit(redis_client: redis.Redis) -> None:

@@ -1,4 +1,4 @@
--- Shared preamble, prepended to every script.
+-- Shared preamble, prepended to every script. The stored formats are described in keys.py.
 
 -- The caller's time when it sent one (ARGV "now" not empty), else the server's clock:
 -- one clock for every worker, whatever their own clocks say.
@@ -14,71 +14,218 @@ local function fmt(n)
   return string.format('%.0f', n)
 end
 
--- A claim entry is "instance:created_at:expires_at:owner"; the owner goes last, so it may
--- contain ':' itself.
-local function format_entry(instance, created, expires, owner)
-  return instance .. ':' .. fmt(created) .. ':' .. fmt(expires) .. ':' .. owner
+-- Numbers are stored in base 36 (an epoch in ms takes 8 characters instead of 13); exact
+-- below 2^53, like every number a script handles.
+local DIGITS = '0123456789abcdefghijklmnopqrstuvwxyz'
+
+local function b36(n)
+  local sign = ''
+  if n < 0 then
+    sign, n = '-', -n
+  end
+  n = math.floor(n)
+  if n == 0 then
+    return '0'
+  end
+  local out = {}
+  while n > 0 do
+    local d = n % 36
+    out[#out + 1] = string.sub(DIGITS, d + 1, d + 1)
+    n = (n - d) / 36
+  end
+  return sign .. string.reverse(table.concat(out))
 end
 
-local function parse_entry(entry)
-  local instance, created, expires, owner = string.match(entry, '^(%d+):(%d+):(%d+):(.*)$')
-  return instance, tonumber(created), tonumber(expires), owner
+local function n36(text)
+  if string.sub(text, 1, 1) == '-' then
+    return -tonumber(string.sub(text, 2), 36)
+  end
+  return tonumber(text, 36)
+end
+
+-- --- owners: a worker's part of an owner string is written once per queue, not per claim ---
+-- An owner "head/tail" is split after its last '/' or '.': the head (a worker process,
+-- "hostname/pid/nonce.") is interned in the owners hash under a small id; an entry keeps only
+-- the id and the tail (the delivery's counter). Each entry holding an id is one reference, so
+-- the head goes when the last entry naming it goes. Owners hash fields: 'h'..head -> id,
+-- 'i'..id -> head, 'r'..id -> references, '#' -> the last id given. Id '0' is the empty head.
+
+local function split_owner(owner)
+  local head, tail = string.match(owner, '^(.*[/.])(.*)$')
+  if head == nil then
+    return '', owner
+  end
+  return head, tail
+end
+
+-- A reference to the owner's head; returns the head's id and the owner's tail.
+local function owner_ref(owners_key, owner)
+  local head, tail = split_owner(owner)
+  if head == '' then
+    return '0', tail
+  end
+  local id = redis.call('HGET', owners_key, 'h' .. head)
+  if not id then
+    id = b36(redis.call('HINCRBY', owners_key, '#', 1))
+    redis.call('HSET', owners_key, 'h' .. head, id, 'i' .. id, head)
+  end
+  redis.call('HINCRBY', owners_key, 'r' .. id, 1)
+  return id, tail
+end
+
+-- Drop one reference to head id (nil: an entry of the earlier format, which holds none).
+local function owner_unref(owners_key, id)
+  if id == nil or id == '0' then
+    return
+  end
+  if redis.call('HINCRBY', owners_key, 'r' .. id, -1) <= 0 then
+    local head = redis.call('HGET', owners_key, 'i' .. id)
+    redis.call('HDEL', owners_key, 'r' .. id, 'i' .. id)
+    if head then
+      redis.call('HDEL', owners_key, 'h' .. head)
+    end
+  end
+end
+
+-- The full owner string of a parsed entry or record (resolved once, then kept on it). A head
+-- that cannot be found (never expected) reads as '?', which no owner's head is, so the entry
+-- matches no token: fail closed.
+local function owner_of(owners_key, item)
+  if item.owner == nil then
+    local head = ''
+    if item.oid ~= '0' then
+      head = redis.call('HGET', owners_key, 'i' .. item.oid) or '?'
+    end
+    item.owner = head .. item.tail
+  end
+  return item.owner
+end
+
+-- An entry or record of the earlier format names its owner in full: intern it before it is
+-- written again in the compact format.
+local function own(owners_key, item)
+  if item.oid == nil then
+    item.oid, item.tail = owner_ref(owners_key, item.owner)
+  end
+end
+
+-- --- claim entries: "instance,created_at,lease,takeovers,owner id,owner tail" --------------
+-- (base 36; lease = expires_at - created_at; takeovers = the task's takeovers so far, counted
+-- only with a takeover limit). The earlier format "instance:created_at:expires_at:owner"
+-- (decimal, full owner) is still read; its takeover count, kept in another hash, is not.
+
+local function parse_entry(raw)
+  local i, c, l, t, o, tail = string.match(raw, '^(%w+),(%-?%w+),(%w+),(%w+),(%w+),(.*)$')
+  if i then
+    local created = n36(c)
+    return {instance = n36(i), created = created, expires = created + n36(l),
+            takeovers = n36(t), oid = o, tail = tail}
+  end
+  local li, lc, le, lo = string.match(raw, '^(%d+):(%d+):(%d+):(.*)$')
+  return {instance = tonumber(li), created = tonumber(lc), expires = tonumber(le),
+          takeovers = 0, owner = lo}
+end
+
+local function format_entry(e)
+  return b36(e.instance) .. ',' .. b36(e.created) .. ',' .. b36(e.expires - e.created) .. ','
+    .. b36(e.takeovers) .. ',' .. e.oid .. ',' .. e.tail
+end
+
+-- --- completion records: "instance,done_at,retention,owner id,owner tail" (done, 7) or ------
+-- "0,given_up_at,retention,takeovers,owner id,owner tail" (given up as poison, 8: instance 0
+-- is never issued); retention = until - done_at. The earlier formats
+-- "instance:done_at:until:owner" and "0:given_up_at:until:takeovers:owner" are still read.
+-- A parsed record: kind (7 or 8), number (instance or takeovers), at, until_ms, owner.
+
+local function parse_record(raw)
+  local i, a, u, rest = string.match(raw, '^(%w+),(%-?%w+),(%w+),(.*)$')
+  if i then
+    local at = n36(a)
+    local r = {at = at, until_ms = at + n36(u)}
+    if i == '0' then
+      local t, o, tail = string.match(rest, '^(%w+),(%w+),(.*)$')
+      r.kind, r.number, r.oid, r.tail = 8, n36(t), o, tail
+    else
+      local o, tail = string.match(rest, '^(%w+),(.*)$')
+      r.kind, r.number, r.oid, r.tail = 7, n36(i), o, tail
+    end
+    return r
+  end
+  local li, la, lu, lrest = string.match(raw, '^(%d+):(%d+):(%d+):(.*)$')
+  local r = {at = tonumber(la), until_ms = tonumber(lu)}
+  if li == '0' then
+    local t, owner = string.match(lrest, '^(%d+):(.*)$')
+    r.kind, r.number, r.owner = 8, tonumber(t), owner
+  else
+    r.kind, r.number, r.owner = 7, tonumber(li), lrest
+  end
+  return r
+end
+
+local function format_record(r)
+  local head = b36(r.number)
+  if r.kind == 8 then
+    head = '0'
+  end
+  head = head .. ',' .. b36(r.at) .. ',' .. b36(r.until_ms - r.at) .. ','
+  if r.kind == 8 then
+    head = head .. b36(r.number) .. ','
+  end
+  return head .. r.oid .. ',' .. r.tail
+end
+
+-- Write a task's record; the record it replaces (past its retention, not yet purged) gives
+-- back its owner reference. The new record brings a reference of its own.
+local function put_record(records_key, owners_key, task, r)
+  local old = redis.call('HGET', records_key, task)
+  if old then
+    owner_unref(owners_key, parse_record(old).oid)
+  end
+  redis.call('HSET', records_key, task, format_record(r))
 end
 
 -- The claim a token refers to, checked in the original's order: not found (4), then another
--- instance (5: stale), then another owner (6). Returns status 1 and the entry's fields when
--- the token holds the claim. Expiry is not checked (release and extend ignore it).
-local function check_token(claims_key, task, owner, instance)
-  local entry = redis.call('HGET', claims_key, task)
-  if not entry then
+-- instance (5: stale), then another owner (6). Returns status 1 and the parsed entry when the
+-- token holds the claim. Expiry is not checked (release and extend ignore it).
+local function check_token(claims_key, owners_key, task, owner, instance)
+  local raw = redis.call('HGET', claims_key, task)
+  if not raw then
     return 4
   end
-  local e_instance, created, expires, e_owner = parse_entry(entry)
-  if e_instance ~= instance then
+  local e = parse_entry(raw)
+  if e.instance ~= tonumber(instance) then
     return 5
   end
-  if e_owner ~= owner then
+  if owner_of(owners_key, e) ~= owner then
     return 6
   end
-  return 1, e_instance, created, expires
-end
-
--- A record of the completion hash is "instance:done_at:until:owner" (done, status 7) or
--- "0:given_up_at:until:takeovers:owner" (given up as poison, status 8): instance 0 is never
--- issued, and a reader that knows only the first form still takes it as done (never run).
--- Returns status, instance or takeovers, done_at or given_up_at, until, owner.
-local function parse_record(record)
-  local instance, at, until_ms, rest = string.match(record, '^(%d+):(%d+):(%d+):(.*)$')
-  if instance == '0' then
-    local takeovers, owner = string.match(rest, '^(%d+):(.*)$')
-    return 8, tonumber(takeovers), tonumber(at), tonumber(until_ms), owner
-  end
-  return 7, tonumber(instance), tonumber(at), tonumber(until_ms), rest
+  return 1, e
 end
 
 -- Release the claim a token holds (the original's release); with a record TTL, keep a
--- completion record too. k = the queue's {claims, expiries, stats, records, retention,
--- takeovers} keys (release.lua's KEYS[1..6]). Returns 1 (released) or check_token's refusal.
+-- completion record too. k = the queue's {claims, stats, records, owners} keys (release.lua's
+-- KEYS[1..4]). Returns 1 (released) or check_token's refusal.
 local function release_claim(k, task, owner, instance, record_ttl, now_arg)
-  local status, e_instance = check_token(k[1], task, owner, instance)
+  local status, e = check_token(k[1], k[4], task, owner, instance)
   if status ~= 1 then
     return status
   end
   redis.call('HDEL', k[1], task)
-  redis.call('ZREM', k[2], task)
-  -- the task ended under a live owner: it is no poison, and its count must not outlive it
-  redis.call('HDEL', k[6], task)
-  redis.call('HINCRBY', k[3], 'acks', 1)
+  redis.call('HINCRBY', k[2], 'acks', 1)
+  local ttl = 0
   if record_ttl ~= '' then
-    local ttl = tonumber(record_ttl)
-    if ttl > 0 then
-      local now = now_ms(now_arg)
-      -- records expire like claims (judged by the same clock, purged by cleanup), not by a
-      -- key TTL, which runs on the server's real time even when the caller sends its own
-      -- clock; a completion record has the shape of an entry: instance:done_at:until:owner
-      redis.call('HSET', k[4], task, format_entry(e_instance, now, now + ttl, owner))
-      redis.call('ZADD', k[5], fmt(now + ttl), task)
-    end
+    ttl = tonumber(record_ttl)
+  end
+  if ttl > 0 then
+    local now = now_ms(now_arg)
+    -- records expire like claims (judged by the same clock, purged by cleanup), not by a
+    -- key TTL, which runs on the server's real time even when the caller sends its own
+    -- clock; the claim's owner reference passes to the record
+    own(k[4], e)
+    put_record(k[3], k[4], task,
+      {kind = 7, number = e.instance, at = now, until_ms = now + ttl, oid = e.oid, tail = e.tail})
+  else
+    owner_unref(k[4], e.oid)
   end
   return 1
 end

@@ -1,9 +1,9 @@
 -- Record a completion and acknowledge the message's delivery on kombu's Redis broker, in one
 -- step: the delivery is removed only if the completion is recorded for this very token.
 -- Used when the claim store is the broker's own Redis (same server and database).
--- KEYS[1..6] = as release.lua
--- KEYS[7] = kombu's unacked index (sorted set: delivery tag -> delivered at)
--- KEYS[8] = kombu's unacked hash (delivery tag -> message)
+-- KEYS[1..4] = as release.lua
+-- KEYS[5] = kombu's unacked index (sorted set: delivery tag -> delivered at)
+-- KEYS[6] = kombu's unacked hash (delivery tag -> message)
 -- ARGV[1..5] = as release.lua (ARGV[4], the record TTL, must not be '')
 -- ARGV[6] = the delivery tag
 -- returns: {1 recorded, acked} | {7 recorded before by this token, acked}
@@ -12,16 +12,16 @@
 -- very record, so a refused token must never remove it)
 local status = release_claim(KEYS, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
 if status ~= 1 then
-  local record = redis.call('HGET', KEYS[4], ARGV[1])
-  if not record then
+  local raw = redis.call('HGET', KEYS[3], ARGV[1])
+  if not raw then
     return {status}
   end
-  local kind, instance, _, _, owner = parse_record(record)
-  if kind ~= 7 or instance ~= tonumber(ARGV[3]) or owner ~= ARGV[2] then
+  local r = parse_record(raw)
+  if r.kind ~= 7 or r.number ~= tonumber(ARGV[3]) or owner_of(KEYS[4], r) ~= ARGV[2] then
     return {status}
   end
   status = 7
 end
-redis.call('ZREM', KEYS[7], ARGV[6])
-redis.call('HDEL', KEYS[8], ARGV[6])
+redis.call('ZREM', KEYS[5], ARGV[6])
+redis.call('HDEL', KEYS[6], ARGV[6])
 return {status}

@@ -1,12 +1,10 @@
 -- Claim a task: the original's claim, optionally refusing a task with a completion record and
 -- giving a task up once its claim has been taken over too often (a poison task).
--- KEYS[1] = claims hash of the queue        ({q}:c)  task -> entry
--- KEYS[2] = expiry sorted set of the queue  ({q}:e)  task -> expires_at
--- KEYS[3] = instance counter of the queue   ({q}:n)
--- KEYS[4] = stats hash of the queue         ({q}:s)
--- KEYS[5] = completion records of the queue ({q}:d)  task -> record (see parse_record)
--- KEYS[6] = takeover counts of the queue    ({q}:t)  task -> takeovers so far
--- KEYS[7] = retention sorted set of records ({q}:x)  task -> until
+-- KEYS[1] = claims hash of the queue        ({q}:c)  task -> entry (see parse_entry)
+-- KEYS[2] = instance counter of the queue   ({q}:n)
+-- KEYS[3] = stats hash of the queue         ({q}:s)
+-- KEYS[4] = completion records of the queue ({q}:d)  task -> record (see parse_record)
+-- KEYS[5] = owners hash of the queue        ({q}:o)  (see owner_ref)
 -- ARGV[1] = task id
 -- ARGV[2] = owner
 -- ARGV[3] = lease in ms
@@ -20,58 +18,74 @@
 --          {8 GIVEN_UP, takeovers, given_up_at, previous owner}
 local now = now_ms(ARGV[4])
 -- attempts are counted first, whatever the outcome (the original's order)
-redis.call('HINCRBY', KEYS[4], 'attempts', 1)
+redis.call('HINCRBY', KEYS[3], 'attempts', 1)
 
 if ARGV[5] == '1' then
-  local record = redis.call('HGET', KEYS[5], ARGV[1])
-  if record then
-    local status, number, at, until_ms, owner = parse_record(record)
-    if now < until_ms then
-      return {status, number, at, owner}
+  local raw = redis.call('HGET', KEYS[4], ARGV[1])
+  if raw then
+    local r = parse_record(raw)
+    if now < r.until_ms then
+      return {r.kind, r.number, r.at, owner_of(KEYS[5], r)}
     end
   end
 end
 
 local previous = ''
-local entry = redis.call('HGET', KEYS[1], ARGV[1])
-if entry then
-  local _, _, expires, owner = parse_entry(entry)
+local e = nil
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if raw then
+  e = parse_entry(raw)
+  local holder = owner_of(KEYS[5], e)
   -- the same owner re-claims whether expired or not; only another owner is judged by expiry
-  if owner ~= ARGV[2] then
-    if now < expires then
-      redis.call('HINCRBY', KEYS[4], 'contentions', 1)
-      return {2, owner, expires}
+  if holder ~= ARGV[2] then
+    if now < e.expires then
+      redis.call('HINCRBY', KEYS[3], 'contentions', 1)
+      return {2, holder, e.expires}
     end
-    previous = owner
+    previous = holder
   end
 end
 
+-- the task's takeovers so far live in its entry: they go when the entry goes
+local takeovers = 0
+if e then
+  takeovers = e.takeovers
+end
 if previous ~= '' and ARGV[6] ~= '' then
-  local taken = tonumber(redis.call('HGET', KEYS[6], ARGV[1]) or '0')
-  if taken >= tonumber(ARGV[6]) then
-    -- one takeover too many: nobody gets the claim; the expired entry and the count give
+  if takeovers >= tonumber(ARGV[6]) then
+    -- one takeover too many: nobody gets the claim; the expired entry and its count give
     -- way to a given-up record, which answers every later copy like a completion record
     redis.call('HDEL', KEYS[1], ARGV[1])
-    redis.call('ZREM', KEYS[2], ARGV[1])
-    redis.call('HDEL', KEYS[6], ARGV[1])
     local ttl = tonumber(ARGV[7])
     if ttl > 0 then
-      local record = '0:' .. fmt(now) .. ':' .. fmt(now + ttl) .. ':' .. fmt(taken) .. ':' .. previous
-      redis.call('HSET', KEYS[5], ARGV[1], record)
-      redis.call('ZADD', KEYS[7], fmt(now + ttl), ARGV[1])
+      own(KEYS[5], e)
+      put_record(KEYS[4], KEYS[5], ARGV[1], {kind = 8, number = takeovers, at = now,
+        until_ms = now + ttl, oid = e.oid, tail = e.tail})
+    else
+      owner_unref(KEYS[5], e.oid)
     end
-    return {8, taken, now, previous}
+    return {8, takeovers, now, previous}
   end
-  redis.call('HINCRBY', KEYS[6], ARGV[1], 1)
+  takeovers = takeovers + 1
 end
 
-local instance = redis.call('INCR', KEYS[3])
-local expires = now + tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], ARGV[1], format_entry(fmt(instance), now, expires, ARGV[2]))
-redis.call('ZADD', KEYS[2], fmt(expires), ARGV[1])
-if previous ~= '' then
-  redis.call('HINCRBY', KEYS[4], 'takeovers', 1)
-  return {3, instance, now, expires, previous}
+local instance = redis.call('INCR', KEYS[2])
+local entry = {instance = instance, created = now, expires = now + tonumber(ARGV[3]),
+               takeovers = takeovers}
+if e and previous == '' and e.oid then
+  -- the same owner re-claims: its entry's reference is reused
+  entry.oid, entry.tail = e.oid, e.tail
+else
+  -- a reference for the new owner first, then the old entry's goes (same worker: no churn)
+  entry.oid, entry.tail = owner_ref(KEYS[5], ARGV[2])
+  if e then
+    owner_unref(KEYS[5], e.oid)
+  end
 end
-redis.call('HINCRBY', KEYS[4], 'successes', 1)
-return {1, instance, now, expires, ''}
+redis.call('HSET', KEYS[1], ARGV[1], format_entry(entry))
+if previous ~= '' then
+  redis.call('HINCRBY', KEYS[3], 'takeovers', 1)
+  return {3, instance, now, entry.expires, previous}
+end
+redis.call('HINCRBY', KEYS[3], 'successes', 1)
+return {1, instance, now, entry.expires, ''}

@@ -1,10 +1,8 @@
 -- Release a claim (the original's release); with a TTL, also keep a completion record.
--- KEYS[1] = claims hash of the queue        ({q}:c)
--- KEYS[2] = expiry sorted set of the queue  ({q}:e)
--- KEYS[3] = stats hash of the queue         ({q}:s)
--- KEYS[4] = completion records of the queue ({q}:d)  task -> instance:done_at:until:owner
--- KEYS[5] = retention sorted set of records ({q}:x)  task -> until
--- KEYS[6] = takeover counts of the queue    ({q}:t)  task -> takeovers so far
+-- KEYS[1] = claims hash of the queue        ({q}:c)  task -> entry
+-- KEYS[2] = stats hash of the queue         ({q}:s)
+-- KEYS[3] = completion records of the queue ({q}:d)  task -> record
+-- KEYS[4] = owners hash of the queue        ({q}:o)
 -- ARGV[1] = task id
 -- ARGV[2] = owner of the token
 -- ARGV[3] = instance of the token
