@@ -47,7 +47,8 @@ class Counters:
     ``released``, ``completion_deferred``, ``lease_lost``, ``fenced_success`` (a success not
     recorded because the lease was lost), ``renewals``, ``renew_unavailable``,
     ``unacked_refreshed``, ``revoked_released``, ``reclaimed``, ``start_timeouts``,
-    ``handed_back``, ``skipped_given_up``.
+    ``handed_back``, ``skipped_given_up``, ``master_switches``, ``records_restored``,
+    ``records_restore_lost`` (Sentinel failovers, ``failover.py``).
     """
 
     def __init__(self) -> None:

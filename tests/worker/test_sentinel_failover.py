@@ -14,6 +14,7 @@ workers, sixty tasks) measures what the switch costs and prints it.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -120,12 +121,17 @@ def test_a_sentinel_failover_mid_run_keeps_every_task_exactly_once(
     runs = Counter(e["id"] for e in executions(broker, queue) if e["event"] == "start")
     twice = sorted(task for task, count in runs.items() if count > 1)
     logs = fleet.logs()
-    reclaimed = logs.count("had lost it")
     unrecorded = _unrecorded(sentinels, queue, [f"t{i}" for i in range(TASKS)])
+    outputs = "".join(proc.output() for proc in fleet.procs)
+    reclaimed = outputs.count("had lost it")
+    restored = sum(
+        int(n) for n in re.findall(r"(\d+) completion record\(s\) written again", outputs)
+    )
     print(
         f"\nfailover reported by the Sentinels after {failover_s:.2f} s; "
         f"{len(runs)} tasks ran, {len(twice)} more than once {twice}; "
         f"{reclaimed} claim(s) found lost and claimed again; "
+        f"{restored} completion record(s) written again on the new master; "
         f"{len(unrecorded)} completion record(s) missing on the new master {unrecorded}"
     )
     assert len(runs) == TASKS
