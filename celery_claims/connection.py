@@ -44,7 +44,12 @@ import redis
 import redis.exceptions as redis_errors
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
+from redis.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedSSLConnection,
+)
 
 from celery_claims.errors import BackendError, BackendUnavailable, InvalidArgument
 
@@ -61,6 +66,9 @@ __all__ = [
     "connect",
     "describe",
     "parse",
+    "role_at",
+    "sentinel_down_after_ms",
+    "sentinel_master",
     "server_of",
     "verify",
 ]
@@ -459,6 +467,86 @@ def server_of(client: Any) -> tuple[Any, ...] | None:
         return None
     port = kwargs.get("port") if path is None else None
     return (host if path is None else None, port, path, int(kwargs.get("db") or 0))
+
+
+def sentinel_master(client: Any) -> tuple[str, int] | None:
+    """Ask the Sentinels where a Sentinel-managed client's master is now, and follow it.
+
+    One round trip to a Sentinel. When the answer is not the address the client's pool used
+    so far, the pool (redis-py's ``SentinelConnectionPool``) drops its idle connections and
+    closes its busy ones as they come back, so every later command goes to the new master.
+    Without this, a connection to the old master stays there as long as that server answers
+    as a master, which after ``SENTINEL FAILOVER`` is several seconds of writes it later
+    discards.
+
+    Returns:
+        ``(host, port)`` of the master, or None for a client that is not Sentinel-managed.
+
+    Raises:
+        BackendUnavailable: no Sentinel could be reached, or none names a master.
+    """
+    pool = getattr(client, "connection_pool", None)
+    if not isinstance(pool, SentinelConnectionPool):
+        return None
+    ask: Any = pool.get_master_address  # untyped in redis-py
+    try:
+        host, port = ask()
+    except (redis_errors.RedisError, OSError) as exc:
+        raise BackendUnavailable(f"the Sentinels name no master now: {exc}") from exc
+    return str(host), int(port)
+
+
+def sentinel_down_after_ms(client: Any) -> int | None:
+    """The Sentinels' ``down-after-milliseconds`` for a Sentinel-managed client's master.
+
+    None for another client, or when no Sentinel answers (the caller assumes its own bound).
+    """
+    pool = getattr(client, "connection_pool", None)
+    if not isinstance(pool, SentinelConnectionPool):
+        return None
+    for sentinel in pool.sentinel_manager.sentinels:
+        try:
+            state = sentinel.sentinel_master(pool.service_name)
+            return int(state["down-after-milliseconds"])
+        except (redis_errors.RedisError, OSError, KeyError, TypeError, ValueError):
+            continue
+    return None
+
+
+#: Connection options of a Sentinel-managed pool that a direct connection to one of its
+#: servers takes too (credentials, database, TLS, timeouts).
+_DIRECT = ("username", "password", "credential_provider", "db", "socket_timeout",
+           "socket_connect_timeout", "client_name")  # fmt: skip
+
+
+def role_at(client: Any, address: tuple[str, int]) -> str | None:
+    """``ROLE`` of the server at ``address``, reached with ``client``'s connection options.
+
+    For a Sentinel-managed client, to find out whether a former master still takes writes.
+
+    Returns:
+        ``"master"``, ``"slave"`` (Redis' word), ``"sentinel"``, or None if the server could
+        not be reached or asked.
+    """
+    pool = getattr(client, "connection_pool", None)
+    given = getattr(pool, "connection_kwargs", {})
+    kwargs: dict[str, Any] = {k: given[k] for k in _DIRECT if k in given}
+    if isinstance(pool, SentinelConnectionPool) and issubclass(
+        pool.connection_class, SentinelManagedSSLConnection
+    ):
+        kwargs["ssl"] = True
+        kwargs.update({k: v for k, v in given.items() if k.startswith("ssl_")})
+    direct: Any = redis.Redis(
+        host=address[0], port=address[1], retry=Retry(NoBackoff(), 0), **kwargs
+    )
+    try:
+        reply = direct.execute_command("ROLE")
+    except (redis_errors.RedisError, OSError):
+        return None
+    finally:
+        direct.close()
+    role = reply[0] if isinstance(reply, (list, tuple)) and reply else None
+    return role.decode() if isinstance(role, bytes) else str(role) if role is not None else None
 
 
 def _classified(where: str, exc: BaseException) -> BackendError:

@@ -29,6 +29,7 @@ from celery_claims.connection import parse as parse_store
 from celery_claims.errors import (
     BackendError,
     BackendUnavailable,
+    ClaimError,
     ClaimTokenError,
     InsufficientReplicas,
     InvalidArgument,
@@ -364,6 +365,45 @@ class RedisClaimManager:
             replies = pipe.execute()
         return [call.decode(reply) for call, reply in zip(calls, replies, strict=True)]
 
+    def execute_each(self, calls: Sequence[ScriptCall[_T]]) -> list[_T | ClaimError]:
+        """Send ``calls`` in one round trip (a pipeline, not a transaction), decode each reply.
+
+        Unlike :meth:`execute_many`, a call whose reply is refused does not end the others.
+
+        Returns:
+            Each call's result, or the :class:`~celery_claims.errors.ClaimError` its reply
+            was decoded to (a refused token, say), in the order of ``calls``.
+
+        Raises:
+            BackendUnavailable: the store could not be reached (none of the replies is known).
+            BackendError: any other store error of the round trip.
+        """
+        if not calls:
+            return []
+        results: list[_T | ClaimError] = []
+        if isinstance(self.client, redis.RedisCluster):
+            # a Cluster pipeline cannot load a script: one call after the other
+            for call in calls:
+                try:
+                    results.append(self.execute(call))
+                except ClaimTokenError as exc:
+                    results.append(exc)
+            return results
+        with translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for call in calls:
+                call.script(keys=call.keys, args=call.args, client=pipe)
+            replies = pipe.execute(raise_on_error=False)
+        for call, reply in zip(calls, replies, strict=True):
+            try:
+                if isinstance(reply, BaseException):
+                    with translate_errors():
+                        raise reply
+                results.append(call.decode(reply))
+            except ClaimError as exc:
+                results.append(exc)
+        return results
+
     def release(self, token: ClaimToken) -> None:
         """See :meth:`celery_claims.ClaimManager.release`."""
         self._release(token, "")
@@ -584,15 +624,24 @@ class RedisClaimManager:
 
     def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | GivenUp | None:
         """See :meth:`celery_claims.ClaimManager.done_record`."""
+        return self.execute(self.done_record_call(queue_id, task_id))
+
+    def done_record_call(
+        self, queue_id: str, task_id: str
+    ) -> ScriptCall[AlreadyDone | GivenUp | None]:
+        """The checked, unsent call of :meth:`done_record`.
+
+        Raises:
+            InvalidArgument: a bad queue or task id.
+        """
         keys = self.keys(queue_id)
         require_id("task_id", task_id)
-        reply = self._run("done", keys.record_keys, [task_id, self._now()])
-        if not reply:
-            return None
-        record = _gate_result(reply, queue_id=queue_id, task_id=task_id, owner="")
-        if not isinstance(record, (AlreadyDone, GivenUp)):
-            raise BackendError(f"done.lua answered {record!r}, not a record")
-        return record
+        return ScriptCall(
+            self._scripts["done"],
+            keys.record_keys,
+            [task_id, self._now()],
+            partial(_done_result, queue_id=queue_id, task_id=task_id),
+        )
 
     def read(self, queue_id: str, task_ids: Sequence[str]) -> list[StoredTask]:
         """What the store holds for each of ``task_ids``, expired or not (one round trip).
@@ -708,6 +757,15 @@ def _ack_done_result(reply: Any, token: ClaimToken) -> bool:
     if status not in (ClaimStatus.SUCCESS, ClaimStatus.DONE):
         raise token_error(status, token)
     return status == ClaimStatus.SUCCESS
+
+
+def _done_result(reply: Any, queue_id: str, task_id: str) -> AlreadyDone | GivenUp | None:
+    if not reply:
+        return None
+    record = _gate_result(reply, queue_id=queue_id, task_id=task_id, owner="")
+    if not isinstance(record, (AlreadyDone, GivenUp)):
+        raise BackendError(f"done.lua answered {record!r}, not a record")
+    return record
 
 
 def _gate_result(reply: Any, queue_id: str, task_id: str, owner: str) -> GateResult:

@@ -4,6 +4,10 @@ The keeper lives in the worker's main process. It is a thread rather than a time
 because the solo pool runs tasks inside the event loop, which would stop a timer from firing
 exactly while a long task needs its lease renewed. Each beat it:
 
+0. on a Sentinel-managed store, asks the Sentinels for the master and follows it when it
+   moved (:mod:`celery_claims.worker.failover`): the renewals go to the new master, a claim
+   it never saw is claimed again there, and after the renewals the completion records the old
+   master may have taken are written again on the new one;
 1. renews every live claim with one ``renew`` round trip per (queue, lease); a refused
    renewal goes to the lifecycle, which finds out whose the task is now
    (:mod:`celery_claims.worker.recovery`) and stops the copy only if another one owns it;
@@ -35,6 +39,7 @@ from celery.utils.log import get_logger
 
 from celery_claims.errors import BackendUnavailable
 from celery_claims.worker.compat import refresh_unacked
+from celery_claims.worker.failover import MasterWatch
 from celery_claims.worker.lifecycle import Copy, State
 from celery_claims.worker.runtime import ClaimsRuntime
 
@@ -61,6 +66,14 @@ class Keeper:
         self._unavailable_since: float | None = None
         # a claim acquired with a lease shorter than the period must not wait for the next beat
         self.life.wake_keeper = self._wake.set
+        self.watch = MasterWatch(
+            runtime.manager,
+            self.life.recent,
+            self.counters,
+            renew_interval_ms=self.settings.renew_interval_ms,
+            lease_ms=self.settings.lease_ms,
+            done_ttl_ms=self.settings.done_ttl_ms,
+        )
 
     def start(self) -> None:
         """Start the keeper thread (once)."""
@@ -123,8 +136,10 @@ class Keeper:
 
     def beat(self) -> None:
         """One keeper beat (see the module docstring)."""
+        self.watch.check()
         copies = self.life.renewed()
         self._renew(copies)
+        self.watch.restore()
         if self.runtime.lanes is not None:
             slots = [c.lane_slot for c in copies if c.lane_slot is not None]
             self.runtime.lanes.heartbeat(slots)

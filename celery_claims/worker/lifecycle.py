@@ -51,6 +51,7 @@ from celery_claims.worker.compat import (
     forget_delivery,
     result_ready,
 )
+from celery_claims.worker.failover import RecentCompletions
 from celery_claims.worker.guard import REQUEST_KEY, ClaimUnverified, StaleCopy
 from celery_claims.worker.identity import new_owner
 from celery_claims.worker.lanes import Lane, LaneSlot, WorkerLanes
@@ -291,6 +292,8 @@ class Lifecycle:
         #: wakes the lease keeper (set by it): a claim's lease is too short for its period
         self.wake_keeper: Callable[[], object] = lambda: None
         self._riding: dict[Any, tuple[Copy, BrokerRide]] = {}
+        #: completions recorded lately, written again after a Sentinel failover (failover.py)
+        self.recent = RecentCompletions()
         if lanes is not None:
             lanes.slots = self.slots
 
@@ -590,6 +593,7 @@ class Lifecycle:
         if copy.guarded:
             # the pool process recorded the completion before the result was stored
             self._finish(copy, State.DONE, "succeeded")
+            self.recent.add(copy.token)
             self.counters.incr("completed")
             celery_handler()
             return
@@ -918,6 +922,7 @@ class Lifecycle:
             # recorded before Celery's ack came (by the keeper): kombu's own ack will do
             self._riding.pop(copy.ride_tag, None)
             copy.ride_tag = None
+        self.recent.add(copy.token)
         self.counters.incr("completed")
         logger.debug("Claim %s: %s, recorded done", copy.claim_id, why)
         ack, copy.deferred_ack = copy.deferred_ack, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ssl
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,10 +17,20 @@ from celery_claims.connection import (
     StoreUnusable,
     close,
     connect,
+    role_at,
+    sentinel_down_after_ms,
+    sentinel_master,
     server_of,
     verify,
 )
-from tests.servers import RedisServer, TlsRedisServer, UnixRedisServer, free_port, redis_server
+from tests.servers import (
+    RedisSentinels,
+    RedisServer,
+    TlsRedisServer,
+    UnixRedisServer,
+    free_port,
+    redis_server,
+)
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +164,38 @@ def test_a_unix_socket_url_in_each_spelling_reaches_the_same_server_and_database
                 close(client)
     finally:
         server.cleanup()
+
+
+def test_a_sentinel_client_follows_the_master_the_sentinels_name_before_the_old_one_refuses(
+    redis_server: RedisServer,
+) -> None:
+    # Given a client of a Sentinel-managed master that has written once, and a standalone one
+    group = RedisSentinels()
+    try:
+        group.start()
+        client = connect(group.url, group.options)
+        old = ("127.0.0.1", group.master.port)
+        client.set("before", "1")
+        assert sentinel_master(client) == old
+        assert sentinel_master(redis_server.client()) is None
+        assert sentinel_down_after_ms(client) == 1000
+
+        # When the master fails over
+        new_port = group.failover()
+
+        # Then the old master still answers as a master (it would take the client's writes)
+        # until the client asks the Sentinels (each learns of the switch in its own time),
+        # which moves it to the new master
+        assert role_at(client, old) == "master"
+        deadline = time.monotonic() + 10
+        while sentinel_master(client) != ("127.0.0.1", new_port):
+            assert time.monotonic() < deadline, "the Sentinels never named the new master"
+            time.sleep(0.1)
+        client.set("after", "1")
+        new_master = group.replica if new_port == group.replica.port else group.master
+        assert new_master.client().get("after") == b"1"
+        assert role_at(client, ("127.0.0.1", new_port)) == "master"
+        assert role_at(client, ("127.0.0.1", free_port())) is None
+        close(client)
+    finally:
+        group.cleanup()

@@ -97,3 +97,46 @@ def test_a_finished_task_whose_claim_a_store_restart_lost_is_not_reported_as_lea
             claims.client.close()
             broker.close()
             close_app(app)
+
+
+def test_a_running_task_whose_store_holds_only_an_earlier_owners_expired_claim_keeps_running(
+    private_redis: RedisServer, key_prefix: str
+) -> None:
+    # Given an in-process worker running a task it took over, and a claim store that then
+    # holds only the earlier owner's expired claim of it: what a Sentinel failover leaves when
+    # the takeover reached the old master after the replica's last sync
+    queue = unique("q")
+    app: Celery = make_app(private_redis.url, queue=queue, claims_prefix=key_prefix)
+    finish, paused = paused_task(app, "t.finish_after_failover")
+    claims = RedisClaimManager(url=private_redis.url, prefix=key_prefix)
+    task_id = unique("failover")
+    key = f"{task_id}:0:0"
+    try:
+        with in_process_worker(app) as worker:
+            result = finish.apply_async(task_id=task_id)
+            assert paused.started.wait(20)
+            for _ in range(5):  # should the keeper renew in between, it claims it again
+                (ours,) = claims.list_claims(queue)
+                claims.release(ours)
+                if claims.claim(queue, key, "earlier-host/1/attempt", 0).acquired:
+                    break
+            assert claims.is_claimed(queue, key) is None
+            assert claims.get_token(queue, key, ours.owner) is None
+
+            # When the keeper's renewal is refused a few times over, then the task returns
+            time.sleep(4 * RENEW_INTERVAL_MS / 1000)
+            paused.release.set()
+
+            # Then the task was never stopped as lease lost: the copy claimed it again, its
+            # result is stored and its completion recorded under its own owner
+            assert result.get(timeout=20) == "done"
+            record = wait_for(
+                lambda: claims.done_record(queue, key), timeout=10, what=f"done {key}"
+            )
+            assert record.owner == ours.owner
+            assert worker.claims.counters.get("lease_lost") == 0
+            assert worker.claims.counters.get("reclaimed") >= 1
+            assert paused.runs == [task_id]
+    finally:
+        claims.client.close()
+        close_app(app)
