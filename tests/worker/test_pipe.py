@@ -10,13 +10,16 @@ import contextlib
 import dataclasses
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import kombu
 import pytest
 import redis
+from celery import Celery
 from kombu.asynchronous import Hub
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -34,7 +37,13 @@ from celery_claims import (
 )
 from celery_claims.connection import StoreUnusable, close, connect
 from celery_claims.worker.pipe import StorePipe
-from tests.servers import RedisServer, TlsRedisServer, command_calls, redis_server
+from tests.servers import (
+    RedisServer,
+    TlsRedisServer,
+    command_calls,
+    missing_service,
+    redis_server,
+)
 from tests.worker.helpers import close_app, in_process_worker, make_app, unique, wait_for
 
 OWNER = "worker-1/100/abc"
@@ -538,21 +547,58 @@ def test_cluster_clients_get_none(redis_cluster: Any, key_prefix: str, hub: Hub)
 # --- in a worker -----------------------------------------------------------------------------
 
 
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+@pytest.fixture(params=["redis", pytest.param("rabbitmq", marks=pytest.mark.rabbitmq)])
+def broker(request: pytest.FixtureRequest, redis_server: RedisServer, queue: str) -> Iterator[str]:
+    """The broker of a worker whose claim store is a server of its own: the session's Redis,
+    or the machine's RabbitMQ (its test queue deleted afterwards)."""
+    if request.param == "redis":
+        yield redis_server.url
+        return
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=2).close()
+    except OSError:
+        missing_service("RabbitMQ at 127.0.0.1:5672")
+    try:
+        yield RABBITMQ_URL
+    finally:
+        with kombu.Connection(RABBITMQ_URL) as conn, contextlib.suppress(Exception):
+            conn.default_channel.queue_delete(queue)
+
+
+def separate_store_app(
+    broker: str, backend: RedisServer, store: RedisServer, queue: str, prefix: str, **conf: Any
+) -> Celery:
+    """An app on ``broker`` whose claim store is ``store``, results in ``backend``."""
+    app = make_app(
+        broker,
+        queue=queue,
+        claims_prefix=prefix,
+        claims_redis_url=store.url,
+        claims_lease_ms=60_000,
+        claims_renew_interval_ms=25_000,
+        **conf,
+    )
+    app.conf.result_backend = backend.url
+    return app
+
+
+def worker_options() -> dict[str, Any]:
+    # a node name of this test: the machine's RabbitMQ is shared, and so are pidbox queues
+    return {"hostname": f"{unique('pipe')}@localhost"}
+
+
 #: What claim.lua and release.lua call inside Redis (commandstats counts those too).
 CLAIM_AND_RELEASE_COMMANDS = {"time", "hincrby", "hget", "incr", "hset", "zadd", "hdel", "zrem"}
 
 
 def test_a_worker_sends_one_claim_and_one_completion_per_message_and_nothing_else(
-    redis_server: RedisServer, private_redis: RedisServer, queue: str, key_prefix: str
+    broker: str, redis_server: RedisServer, private_redis: RedisServer, queue: str, key_prefix: str
 ) -> None:
-    app = make_app(
-        redis_server.url,
-        queue=queue,
-        claims_prefix=key_prefix,
-        claims_redis_url=private_redis.url,
-        claims_lease_ms=60_000,
-        claims_renew_interval_ms=25_000,
-    )
+    # Given a worker whose claim store is a server of its own
+    app = separate_store_app(broker, redis_server, private_redis, queue, key_prefix)
 
     @app.task(shared=False, name="t.square")
     def square(i: int) -> int:
@@ -560,7 +606,7 @@ def test_a_worker_sends_one_claim_and_one_completion_per_message_and_nothing_els
 
     observer = private_redis.client()
     try:
-        with in_process_worker(app) as worker:
+        with in_process_worker(app, **worker_options()) as worker:
             assert square.delay(0).get(timeout=30) == 0  # connects, registers the queue
             counters = worker.claims.counters
             before = command_calls(observer)
@@ -581,7 +627,8 @@ def test_a_worker_sends_one_claim_and_one_completion_per_message_and_nothing_els
         for name in after
         if name != "info" and after[name] != before.get(name, 0)
     }
-    # commandstats counts the scripts' own commands too; from outside only EVALSHA came
+    # When 20 tasks run, then from outside only EVALSHA came, one claim and one completion
+    # each (commandstats counts the scripts' own commands too)
     assert sent["evalsha"] == 40
     assert set(sent) - {"evalsha"} <= CLAIM_AND_RELEASE_COMMANDS
     claims = RedisClaimManager(client=observer, prefix=key_prefix)
@@ -591,18 +638,17 @@ def test_a_worker_sends_one_claim_and_one_completion_per_message_and_nothing_els
 
 
 def test_the_consumer_goes_on_with_other_messages_while_a_claim_is_on_its_way(
-    redis_server: RedisServer, private_redis: RedisServer, queue: str, key_prefix: str
+    broker: str, redis_server: RedisServer, private_redis: RedisServer, queue: str, key_prefix: str
 ) -> None:
     # Given a worker (thread pool) whose claim store is a server of its own, and a task that
     # is not claimed (claims = False) next to one that is
-    app = make_app(
-        redis_server.url,
-        queue=queue,
-        claims_prefix=key_prefix,
-        claims_redis_url=private_redis.url,
+    app = separate_store_app(
+        broker,
+        redis_server,
+        private_redis,
+        queue,
+        key_prefix,
         claims_socket_timeout_ms=5000,
-        claims_lease_ms=60_000,
-        claims_renew_interval_ms=25_000,
         worker_prefetch_multiplier=4,
     )
     waiting_seen: list[int] = []
@@ -620,7 +666,7 @@ def test_the_consumer_goes_on_with_other_messages_while_a_claim_is_on_its_way(
         return "free"
 
     try:
-        with in_process_worker(app, pool="threads", concurrency=2) as worker:
+        with in_process_worker(app, pool="threads", concurrency=2, **worker_options()) as worker:
             assert claimed.delay().get(timeout=30) == "claimed"  # the pipe is connected
             assert private_redis.proc is not None
             # When the claim store stops answering, a claimed task is sent, then a free one
