@@ -11,7 +11,7 @@ lifecycle (:mod:`celery_claims.worker.lifecycle`), which decides what happens to
 run it, skip it, hold it. Where the claim store is the Redis broker's own server, the claim
 was sent already, in the transaction in which kombu recorded the delivery
 (:class:`~celery_claims.worker.compat.BrokerRide`): the gate reads its reply. Elsewhere it
-sends the claim on the consumer's own connection (:class:`~celery_claims.worker.pipe.StorePipe`)
+sends the claim on the consumer's own connection (:mod:`celery_claims.worker.pipe`)
 and goes on; the copy is decided when the event loop reads the reply (without an event loop,
 the manager's blocking client makes the round trip). For a copy that goes to the pool it sets
 per-request wrappers of
@@ -40,7 +40,7 @@ from celery_claims.worker.compat import BrokerRide, unwrap_exception
 from celery_claims.worker.guard import REQUEST_KEY, is_guarded
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
 from celery_claims.worker.lifecycle import Copy, State
-from celery_claims.worker.pipe import StorePipe
+from celery_claims.worker.pipe import Pipe, consumer_pipe
 from celery_claims.worker.policy import is_exempt
 from celery_claims.worker.runtime import ClaimsRuntime
 
@@ -92,7 +92,7 @@ class ClaimGate:
         self.queues = QueueResolver(consumer.app)
         self._leases: dict[str, int] = {}
         self._loop_thread = -1
-        self._pipe: StorePipe | None = None
+        self._pipe: Pipe | None = None
         self._pipe_checked = False
         self._stopping = False
         self._pre: dict[Any, _Preclaim] = {}
@@ -142,12 +142,12 @@ class ClaimGate:
         return None
 
     @property
-    def store_pipe(self) -> StorePipe | None:
+    def store_pipe(self) -> Pipe | None:
         """The consumer's claim store pipe once the first request made it (None before, or
         where the store needs the blocking client)."""
         return self._pipe
 
-    def pipe(self) -> StorePipe | None:
+    def pipe(self) -> Pipe | None:
         """The consumer's claim store pipe, when the caller may use it (else None).
 
         Only the consumer's thread, while the consumer runs, uses the pipe; a thread pool's
@@ -159,9 +159,7 @@ class ClaimGate:
             self._pipe_checked = True
             # the pipe's socket is watched by the consumer's event loop; without one (gevent,
             # eventlet, a transport without async support: no hub) the blocking client is used
-            self._pipe = StorePipe.for_manager(
-                self.runtime.manager, getattr(self.consumer, "hub", None)
-            )
+            self._pipe = consumer_pipe(self.runtime.manager, getattr(self.consumer, "hub", None))
         return self._pipe
 
     def _lease_ms(self, name: str, task: Any) -> int:

@@ -24,10 +24,15 @@ hiredis as the parser where it is installed (the ``hiredis`` extra). The first c
 script on a connection goes behind a ``SCRIPT LOAD`` in the same write, and ``NOSCRIPT`` (a
 store whose script cache was flushed) loads the script and sends the call again, in one write.
 
+On a Redis Cluster (:class:`ClusterPipe`) each call goes on the connection to its queue's slot
+owner (all of a queue's keys are in one slot), one :class:`StorePipe` per node; a ``MOVED``
+reply updates the client's slot map and sends the call again to the new owner, an ``ASK``
+(a slot being migrated) is answered "unavailable" and the gate tries again later.
+
 Where there is no event loop (gevent or eventlet pools, transports without one: the consumer's
-``hub`` is None), :meth:`StorePipe.for_manager` returns None and the gate uses the manager's
-blocking client, as it does for a Redis Cluster client and where each write waits for
-replicas (``WAIT``). A pipe belongs to the consumer's thread.
+``hub`` is None), :func:`consumer_pipe` returns None and the gate uses the manager's blocking
+client, as it does where each write waits for replicas (``WAIT``). A pipe belongs to the
+consumer's thread.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from celery_claims.claims.redis import RedisClaimManager, ScriptCall
 from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable
 from celery_claims.errors import BackendError, BackendUnavailable, ClaimError
 
-__all__ = ["Outcome", "StorePipe"]
+__all__ = ["ClusterPipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
 
 logger = get_logger("celery_claims.worker")
 
@@ -112,11 +117,24 @@ class StorePipe:
         timeout_s: how long a reply may take before the connection is dropped and every
             waiting call ends with :class:`BackendUnavailable`; by default the connection's
             read timeout (the package's one timeout policy).
+        redirect: takes over a call answered ``MOVED`` (a Cluster node's pipe): called with
+            the error, the call and its callback.
     """
 
-    def __init__(self, connection: Any, hub: Any, *, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        connection: Any,
+        hub: Any,
+        *,
+        timeout_s: float | None = None,
+        redirect: Callable[
+            [redis_errors.MovedError, ScriptCall[Any], Callable[[Outcome], None]], None
+        ]
+        | None = None,
+    ) -> None:
         self.connection = connection
         self.hub = hub
+        self.redirect = redirect
         self.timeout_s = float(
             timeout_s or getattr(connection, "socket_timeout", None) or DEFAULT_TIMEOUT_S
         )
@@ -129,8 +147,8 @@ class StorePipe:
 
     @classmethod
     def for_manager(cls, manager: RedisClaimManager, hub: Any) -> StorePipe | None:
-        """A pipe to ``manager``'s store on ``hub``, or None where only the blocking client
-        can go (no hub, a Cluster client, writes that wait for replicas)."""
+        """A pipe to ``manager``'s standalone or Sentinel-managed store on ``hub``, or None
+        (no hub, writes that wait for replicas, a Cluster: see :func:`consumer_pipe`)."""
         client = manager.client
         if hub is None or manager.waits_for_replicas or not isinstance(client, redis.Redis):
             return None
@@ -154,13 +172,20 @@ class StorePipe:
             return str(path)
         return (str(self.connection.host), int(self.connection.port))
 
-    def submit(self, call: ScriptCall[Any], callback: Callable[[Outcome], None]) -> None:
+    def submit(
+        self,
+        call: ScriptCall[Any],
+        callback: Callable[[Outcome], None],
+        *,
+        redirected: bool = False,
+    ) -> None:
         """Send ``call`` now; ``callback`` gets its decoded result or error once the reply is
         read (from the event loop, or by :meth:`call` / :meth:`drain`).
 
         An exception the callback raises is logged, never raised to whoever read the reply.
         A call that could be sent but not answered (the connection dropped, the reply overdue)
-        ends with :class:`BackendUnavailable`, through the callback.
+        ends with :class:`BackendUnavailable`, through the callback. ``redirected``: the call
+        was answered ``MOVED`` elsewhere already (it is not redirected again).
 
         Raises:
             BackendUnavailable: the store could not be connected to (nothing was sent, the
@@ -168,7 +193,7 @@ class StorePipe:
             StoreUnusable: the store refused the handshake (credentials, database, TLS).
         """
         self._connect()
-        item = _Pending(call, callback, time.monotonic(), 0)
+        item = _Pending(call, callback, time.monotonic(), 0, resent=redirected)
         self._send(self._enqueue(item, load=call.script.sha not in self._loaded))
         self._arm()
 
@@ -342,8 +367,14 @@ class StorePipe:
         if isinstance(reply, redis_errors.NoScriptError) and not item.resent:
             self._resend(item)
             return
+        if isinstance(reply, redis_errors.MovedError) and self.redirect and not item.resent:
+            self.redirect(reply, item.call, item.callback)
+            return
         outcome: Outcome
-        if isinstance(reply, redis_errors.ResponseError):
+        if isinstance(reply, redis_errors.AskError):
+            # MOVED once more, or ASK: the slot is being migrated; tried again later
+            outcome = BackendUnavailable(f"claim store unavailable: slot moving ({reply})")
+        elif isinstance(reply, redis_errors.ResponseError):
             outcome = _reply_error(reply)
         else:
             try:
@@ -393,3 +424,100 @@ class StorePipe:
             callback(outcome)
         except Exception:
             logger.exception("Claim store pipe: a reply callback failed")
+
+
+class ClusterPipe:
+    """The consumer's pipes to a Redis Cluster: one :class:`StorePipe` per node, each call on
+    the pipe of its queue's slot owner (see the module docstring).
+
+    Args:
+        client: the claim manager's Cluster client (its slot map and node clients).
+        hub: the consumer's event loop.
+    """
+
+    def __init__(self, client: redis.RedisCluster, hub: Any) -> None:
+        self.client = client
+        self.hub = hub
+        self.pipes: dict[str, StorePipe] = {}
+
+    @property
+    def waiting(self) -> int:
+        """Calls sent whose reply has not been read yet, on every node."""
+        return sum(pipe.waiting for pipe in self.pipes.values())
+
+    def pipe_of(self, call: ScriptCall[Any]) -> StorePipe:
+        """The pipe to the node that owns ``call``'s slot (as the client's slot map has it)."""
+        cluster: Any = self.client  # get_node_from_key is untyped in redis-py
+        node = cluster.get_node_from_key(call.keys[0])
+        pipe = self.pipes.get(node.name)
+        if pipe is None:
+            pool = self.client.get_redis_connection(node).connection_pool
+            pipe = StorePipe(pool.make_connection(), self.hub, redirect=self._moved)
+            self.pipes[node.name] = pipe
+        return pipe
+
+    def submit(
+        self,
+        call: ScriptCall[Any],
+        callback: Callable[[Outcome], None],
+        *,
+        redirected: bool = False,
+    ) -> None:
+        """:meth:`StorePipe.submit` on the pipe of ``call``'s slot owner.
+
+        Raises:
+            BackendUnavailable: see :meth:`StorePipe.submit`; also a slot no node covers.
+            StoreUnusable: see :meth:`StorePipe.submit`.
+        """
+        try:
+            pipe = self.pipe_of(call)
+        except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
+            raise BackendUnavailable(f"claim store unavailable: {exc}") from exc
+        pipe.submit(call, callback, redirected=redirected)
+
+    def call(self, call: ScriptCall[Any]) -> Outcome:
+        """:meth:`StorePipe.call` on the pipe of ``call``'s slot owner (a ``MOVED`` is
+        followed to the new owner); waits for every node's replies."""
+        box: list[Outcome] = []
+        try:
+            self.submit(call, box.append)
+        except ClaimError as exc:
+            return exc
+        self.drain()
+        return box[0] if box else BackendUnavailable("claim store connection lost")
+
+    def drain(self) -> None:
+        """:meth:`StorePipe.drain` on every node's pipe."""
+        while any(pipe.waiting for pipe in self.pipes.values()):
+            for pipe in list(self.pipes.values()):
+                pipe.drain()
+
+    def close(self) -> None:
+        """Close every node's pipe (calls still waiting end with :class:`BackendUnavailable`)."""
+        for pipe in list(self.pipes.values()):
+            pipe.close()
+
+    def _moved(
+        self,
+        moved: redis_errors.MovedError,
+        call: ScriptCall[Any],
+        callback: Callable[[Outcome], None],
+    ) -> None:
+        # the client's own slot map learns it too, as redis-py's cluster client does
+        self.client.nodes_manager.move_slot(moved)
+        try:
+            self.submit(call, callback, redirected=True)
+        except ClaimError as exc:
+            callback(exc)
+
+
+#: The consumer's pipe: to a standalone (or Sentinel-managed) store, or to a Cluster.
+Pipe = StorePipe | ClusterPipe
+
+
+def consumer_pipe(manager: RedisClaimManager, hub: Any) -> Pipe | None:
+    """The consumer's pipe to ``manager``'s store on ``hub``, or None where only the blocking
+    client can go (no hub, writes that wait for replicas)."""
+    if isinstance(manager.client, redis.RedisCluster):
+        return None if hub is None else ClusterPipe(manager.client, hub)
+    return StorePipe.for_manager(manager, hub)

@@ -36,7 +36,7 @@ from celery_claims import (
     Success,
 )
 from celery_claims.connection import StoreUnusable, close, connect
-from celery_claims.worker.pipe import StorePipe
+from celery_claims.worker.pipe import ClusterPipe, StorePipe, consumer_pipe
 from tests.servers import (
     RedisServer,
     TlsRedisServer,
@@ -536,12 +536,70 @@ def test_clients_the_pipe_cannot_serve_get_none(
     # no event loop (gevent, eventlet, a transport without one): the blocking client
     plain = RedisClaimManager(client=redis_server.client(), prefix=key_prefix)
     assert StorePipe.for_manager(plain, None) is None
+    assert consumer_pipe(plain, None) is None
 
 
 @pytest.mark.cluster
-def test_cluster_clients_get_none(redis_cluster: Any, key_prefix: str, hub: Hub) -> None:
-    manager = RedisClaimManager(client=redis_cluster.client(), prefix=key_prefix)
-    assert StorePipe.for_manager(manager, hub) is None
+def test_cluster_claims_go_to_the_slot_owner_of_their_queue(
+    redis_cluster: Any, key_prefix: str, hub: Hub
+) -> None:
+    # Given a Cluster claim store made by the package's one factory
+    client = connect(f"redis+cluster://127.0.0.1:{redis_cluster.servers[0].port}")
+    try:
+        manager = RedisClaimManager(client=client, prefix=key_prefix)
+        pipe = consumer_pipe(manager, hub)
+        assert isinstance(pipe, ClusterPipe)
+        # When claims of twelve queues are sent together
+        outcomes: dict[str, Any] = {}
+        queues = [f"q{i}" for i in range(12)]
+        for queue in queues:
+            pipe.submit(
+                manager.claim_call(queue, "t1", OWNER, LEASE_MS),
+                lambda outcome, queue=queue: outcomes.__setitem__(queue, outcome),
+            )
+        run_loop(hub, lambda: len(outcomes) == 12, "twelve replies")
+        # Then each went on the connection to its queue's slot owner, on every master
+        assert all(isinstance(outcomes[q], Success) for q in queues)
+        assert {q: manager.get_token(q, "t1", OWNER) for q in queues} == {
+            q: outcomes[q].token for q in queues
+        }
+        owners = {client.get_node_from_key(manager.keys(q).claims).name for q in queues}
+        assert set(pipe.pipes) == owners
+        assert len(owners) == len(redis_cluster.servers)
+        for name, node_pipe in pipe.pipes.items():
+            assert f"{node_pipe.connection.host}:{node_pipe.connection.port}" == name
+        pipe.close()
+        assert not hub.readers
+    finally:
+        close(client)
+
+
+@pytest.mark.cluster
+def test_a_moved_reply_is_followed_to_the_new_slot_owner(
+    redis_cluster: Any, key_prefix: str, hub: Hub
+) -> None:
+    client = connect(f"redis+cluster://127.0.0.1:{redis_cluster.servers[0].port}")
+    try:
+        manager = RedisClaimManager(client=client, prefix=key_prefix)
+        pipe = consumer_pipe(manager, hub)
+        assert isinstance(pipe, ClusterPipe)
+        claim = manager.claim_call("q", "t1", OWNER, LEASE_MS)
+        key = claim.keys[0]
+        owner = client.get_node_from_key(key)
+        # Given a client whose slot map names the wrong node for the queue (as after a
+        # resharding it has not seen yet)
+        wrong = next(n for n in client.get_primaries() if n.name != owner.name)
+        client.nodes_manager.slots_cache[client.keyslot(key)] = [wrong]
+        # When the pipe claims: the wrong node answers MOVED
+        result = pipe.call(claim)
+        # Then the call went on to the slot's owner and succeeded, and the map is right again
+        assert isinstance(result, Success)
+        assert manager.get_token("q", "t1", OWNER) == result.token
+        assert client.get_node_from_key(key).name == owner.name
+        assert set(pipe.pipes) == {wrong.name, owner.name}
+        pipe.close()
+    finally:
+        close(client)
 
 
 # --- in a worker -----------------------------------------------------------------------------
