@@ -61,6 +61,9 @@ logger = get_logger("celery_claims.worker")
 #: A call's result, or the error it ended with (never raised into the event loop).
 Outcome = Any
 
+#: Takes over a call a Cluster node answered ``MOVED``: the error, the call, its callback.
+Redirect = Callable[[redis_errors.MovedError, ScriptCall[Any], Callable[[Outcome], None]], None]
+
 #: Error replies that mean "the store cannot serve this now", not a bug. redis-py maps most of
 #: them to classes; ``BUSY`` (a script running too long) keeps its text.
 _UNAVAILABLE_REPLIES = (
@@ -127,10 +130,7 @@ class StorePipe:
         hub: Any,
         *,
         timeout_s: float | None = None,
-        redirect: Callable[
-            [redis_errors.MovedError, ScriptCall[Any], Callable[[Outcome], None]], None
-        ]
-        | None = None,
+        redirect: Redirect | None = None,
     ) -> None:
         self.connection = connection
         self.hub = hub

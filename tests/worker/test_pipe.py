@@ -135,29 +135,35 @@ def test_claim_through_the_pipe_is_the_managers_claim(
 
 
 def test_a_claim_is_sent_at_once_and_its_reply_read_by_the_event_loop(
-    pipe: StorePipe, manager: RedisClaimManager, hub: Hub
+    redis_server: RedisServer, key_prefix: str, hub: Hub
 ) -> None:
-    # Given a pipe on the consumer's event loop
-    outcomes: list[Any] = []
-    # When a claim is submitted
-    pipe.submit(manager.claim_call("q", "t1", OWNER, LEASE_MS), outcomes.append)
-    # Then it is in the store at once (another client sees it), nothing has been read yet,
-    # and the pipe's socket is a reader of the hub
-    wait_for(lambda: manager.is_claimed("q", "t1") is not None, timeout=5, what="the claim")
-    assert outcomes == []
-    assert pipe.waiting == 1
-    assert registered(pipe, hub)
-    # and the event loop reads the reply as soon as the socket is readable
-    run_loop(hub, lambda: bool(outcomes), "the reply")
-    assert isinstance(outcomes[0], Success)
-    assert outcomes[0].token == manager.get_token("q", "t1", OWNER)
-    assert pipe.waiting == 0
-    # nothing polls the socket: the one timer entry is the overdue check, and it does not
-    # come back once the reply is in
-    assert len(hub.timer.queue) <= 1
-    hub.timer.clear()
-    run_loop(hub, lambda: True, "one more turn")
-    assert not hub.timer.queue
+    # Given a pipe on the consumer's event loop, replies due within 0.5 s
+    with (
+        store_manager(redis_server.url, key_prefix, timeout_s=0.5) as manager,
+        opened(manager, hub) as pipe,
+    ):
+        outcomes: list[Any] = []
+        # When a claim is submitted
+        sent_at = time.monotonic()
+        pipe.submit(manager.claim_call("q", "t1", OWNER, LEASE_MS), outcomes.append)
+        # Then it is in the store at once (another client sees it), nothing has been read
+        # yet, and the pipe's socket is a reader of the hub
+        wait_for(lambda: manager.is_claimed("q", "t1") is not None, timeout=5, what="the claim")
+        assert outcomes == []
+        assert pipe.waiting == 1
+        assert registered(pipe, hub)
+        # and the event loop reads the reply as soon as the socket is readable
+        run_loop(hub, lambda: bool(outcomes), "the reply")
+        assert isinstance(outcomes[0], Success)
+        assert outcomes[0].token == manager.get_token("q", "t1", OWNER)
+        assert pipe.waiting == 0
+        # nothing polls the socket: the one timer entry is the overdue check, due when the
+        # reply would have been late, and it is not set again once nothing waits
+        (entry,) = hub.timer.queue
+        assert entry.eta - sent_at >= 0.45  # (kombu's timer runs on the monotonic clock)
+        run_loop(hub, lambda: not hub.timer.queue, "the overdue check to pass", timeout=5)
+        assert len(outcomes) == 1
+        assert registered(pipe, hub)
 
 
 def test_replies_of_calls_sent_together_reach_their_own_calls(
