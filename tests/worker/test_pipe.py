@@ -753,3 +753,35 @@ def test_the_consumer_goes_on_with_other_messages_while_a_claim_is_on_its_way(
             assert runs == ["claimed", "claimed"]
     finally:
         close_app(app)
+
+
+def test_a_worker_without_an_event_loop_claims_with_the_blocking_client(
+    redis_server: RedisServer, private_redis: RedisServer, queue: str, key_prefix: str
+) -> None:
+    # Given a worker without an event loop (as with gevent or eventlet: no hub, Celery's
+    # blocking synloop) whose claim store is a server of its own
+    app = separate_store_app(redis_server.url, redis_server, private_redis, queue, key_prefix)
+
+    @app.task(shared=False, name="t.double")
+    def double(i: int) -> int:
+        return 2 * i
+
+    observer = private_redis.client()
+    try:
+        with in_process_worker(app, use_eventloop=False, **worker_options()) as worker:
+            # When tasks run
+            assert [double.delay(i).get(timeout=30) for i in range(5)] == [0, 2, 4, 6, 8]
+            wait_for(
+                lambda: worker.claims.counters.get("completed") == 5,
+                timeout=10,
+                what="5 completions",
+            )
+            # Then the consumer has no hub and no pipe: each claim was a blocking round trip
+            assert worker.consumer.hub is None
+            gate = worker.consumer.claim_gate
+            assert gate is not None
+            assert gate.store_pipe is None
+    finally:
+        close_app(app)
+    stats = RedisClaimManager(client=observer, prefix=key_prefix).stats()
+    assert (stats.successes, stats.acks) == (5, 5)
