@@ -11,7 +11,10 @@ lifecycle (:mod:`celery_claims.worker.lifecycle`), which decides what happens to
 run it, skip it, hold it. Where the claim store is the Redis broker's own server, the claim
 was sent already, in the transaction in which kombu recorded the delivery
 (:class:`~celery_claims.worker.compat.BrokerRide`): the gate reads its reply. Elsewhere it
-makes one round trip of its own. For a copy that goes to the pool it sets per-request wrappers of
+sends the claim on the consumer's own connection (:mod:`celery_claims.worker.pipe`)
+and goes on; the copy is decided when the event loop reads the reply (without an event loop,
+the manager's blocking client makes the round trip). For a copy that goes to the pool it sets
+per-request wrappers of
 ``on_accepted``, ``on_success``, ``on_failure``, ``on_timeout`` and ``execute_using_pool``
 that report to the lifecycle, which runs Celery's own handler (or, for a stale copy, lets
 the message go without acking it).
@@ -20,6 +23,7 @@ the message go without acking it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +39,8 @@ from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, T
 from celery_claims.worker.compat import BrokerRide, unwrap_exception
 from celery_claims.worker.guard import REQUEST_KEY, is_guarded
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
-from celery_claims.worker.lifecycle import Copy
-from celery_claims.worker.pipe import StorePipe
+from celery_claims.worker.lifecycle import Copy, State
+from celery_claims.worker.pipe import Pipe, consumer_pipe
 from celery_claims.worker.policy import is_exempt, time_limit_of
 from celery_claims.worker.runtime import ClaimsRuntime
 
@@ -88,7 +92,7 @@ class ClaimGate:
         self.queues = QueueResolver(consumer.app)
         self._leases: dict[str, int] = {}
         self._loop_thread = -1
-        self._pipe: StorePipe | None = None
+        self._pipe: Pipe | None = None
         self._pipe_checked = False
         self._stopping = False
         self._pre: dict[Any, _Preclaim] = {}
@@ -138,12 +142,12 @@ class ClaimGate:
         return None
 
     @property
-    def store_pipe(self) -> StorePipe | None:
+    def store_pipe(self) -> Pipe | None:
         """The consumer's claim store pipe once the first request made it (None before, or
         where the store needs the blocking client)."""
         return self._pipe
 
-    def pipe(self) -> StorePipe | None:
+    def pipe(self) -> Pipe | None:
         """The consumer's claim store pipe, when the caller may use it (else None).
 
         Only the consumer's thread, while the consumer runs, uses the pipe; a thread pool's
@@ -153,14 +157,9 @@ class ClaimGate:
             return None
         if self._pipe is None and not self._pipe_checked:
             self._pipe_checked = True
-            # the hub's timer runs on this thread; without an event loop (gevent, eventlet)
-            # the worker's timer is a thread of its own, and the blocking client is used
-            hub = getattr(self.consumer, "hub", None)
-            self._pipe = StorePipe.for_manager(
-                self.runtime.manager,
-                getattr(hub, "timer", None),
-                timeout_s=self.settings.socket_timeout_ms / 1000,
-            )
+            # the pipe's socket is watched by the consumer's event loop; without one (gevent,
+            # eventlet, a transport without async support: no hub) the blocking client is used
+            self._pipe = consumer_pipe(self.runtime.manager, getattr(self.consumer, "hub", None))
         return self._pipe
 
     def _lease_ms(self, name: str, task: Any) -> int:
@@ -235,24 +234,26 @@ class ClaimGate:
         """Release the claims of pre-claimed messages Celery never handed to the gate."""
         while self._pre:
             _, pre = self._pre.popitem()
-            outcome = pre.outcome()
-            token = getattr(outcome, "token", None)
-            if isinstance(outcome, (Success, TookOver)) and token is not None:
-                try:
-                    self.runtime.manager.release(token)
-                except ClaimError as exc:
-                    # it is not renewed: the lease runs out by itself
-                    logger.debug("Claim %s/%s: release failed: %s", pre.queue_id, pre.task_key, exc)
+            self._release_unused(pre.outcome())
 
     # --- the gate's own claim ---------------------------------------------------------------
 
     def _claim(self, copy: Copy) -> None:
-        """Claim ``copy`` (one round trip) and hand the outcome to the lifecycle."""
+        """Claim ``copy`` (one round trip) and hand the outcome to the lifecycle.
+
+        On the consumer's pipe the claim is only sent here: the outcome comes when the event
+        loop reads the reply (:meth:`_claimed`), and the loop goes on meanwhile.
+        """
+        outcome: Any
         try:
             call = self._claim_call(copy.queue_id, copy.task_key, copy.owner, copy.lease_ms)
             pipe = self.pipe()
             if pipe is not None:
-                outcome: Any = pipe.call(call)
+                try:
+                    pipe.submit(call, functools.partial(self._claimed, copy))
+                    return
+                except ClaimError as exc:  # could not connect: nothing was sent
+                    outcome = exc
             else:
                 try:
                     outcome = self.runtime.manager.execute(call)
@@ -261,6 +262,25 @@ class ClaimGate:
         except Exception as exc:
             outcome = exc
         self._settle(copy, outcome)
+
+    def _claimed(self, copy: Copy, outcome: Any) -> None:
+        """The reply to a claim sent on the pipe (event loop)."""
+        if self._stopping or copy.state not in (State.RECEIVED, State.HELD):
+            # the consumer's connection closed while the claim was on its way: the copy is
+            # gone (the broker delivers the message again), and a claim it got would only
+            # hold that delivery until its lease ran out
+            self._release_unused(outcome)
+            return
+        self._settle(copy, outcome)
+
+    def _release_unused(self, outcome: Any) -> None:
+        token = getattr(outcome, "token", None)
+        if isinstance(outcome, (Success, TookOver)) and token is not None:
+            try:
+                self.runtime.manager.release(token)
+            except ClaimError as exc:
+                # it is not renewed: the lease runs out by itself
+                logger.debug("Claim %s/%s: release failed: %s", token.queue_id, token.task_id, exc)
 
     def _settle(self, copy: Copy, outcome: Any) -> None:
         try:
@@ -384,11 +404,13 @@ class ClaimGate:
         with contextlib.suppress(Exception):
             self._drop_leftovers()
         if self._pipe is not None:
-            # completions already sent are accounted for before the state goes (stop must
-            # never raise: it may run while the worker shuts down)
+            # claims on their way are answered before the state goes, so that the claims
+            # they got are released (stop must never raise: it may run while the worker
+            # shuts down)
             with contextlib.suppress(Exception):
                 self._pipe.drain()
-            self._pipe.close()
+            with contextlib.suppress(Exception):
+                self._pipe.close()
         self.life.connection_lost()
 
 

@@ -1,200 +1,100 @@
-"""The claim gate's own connection to the claim store: one round trip per message, no more.
+"""The consumer's own connection to a claim store that is not the broker's server.
 
-Going through redis-py, each claim store call from the consumer loop costs a full round trip
-plus redis-py's per-command work, and the gate made two per message (claim, then completion).
-:class:`StorePipe` keeps one plain socket to the store for the consumer's thread:
+Where the claim store is the Redis broker's own server, claims and completions ride kombu's
+round trips (:class:`~celery_claims.worker.compat.BrokerRide`). Elsewhere (a RabbitMQ broker,
+or a Redis broker with a store of its own) the gate claims each message on this connection,
+without blocking the consumer's event loop:
 
-- the claim is sent and its reply awaited (:meth:`StorePipe.call`): the one round trip a claim
-  taken at execution time cannot avoid;
-- the completion is written to the socket before Celery acks the message, but its reply is not
-  waited for (:meth:`StorePipe.submit`): it is read with the next claim's reply, by a timer
-  within a fraction of a second, or by :meth:`StorePipe.drain` when the consumer stops, and
-  then handed to the call's callback.
+- a claim is sent at once (:meth:`StorePipe.submit`: one ``EVALSHA`` written to the socket)
+  and the gate goes on with other work: the next delivery, the pool's results, timers;
+- the socket is registered on the consumer's event loop (``hub.add_reader``, as kombu's
+  Redis transport registers its ``BRPOP`` socket), and when it is readable the replies that
+  came are read and handed to their calls' callbacks, in the order the calls were sent
+  (RESP replies are ordered);
+- one entry on the hub's timer, due when the oldest call's reply is overdue, fails every
+  waiting call with :class:`~celery_claims.errors.BackendUnavailable` and drops the
+  connection; the gate holds such copies (fails closed) and claims them again later.
 
-Replies come back in the order the calls were sent (RESP is ordered), so each is matched to its
-call. A reply that does not come within the timeout drops the connection and ends every waiting
-call with :class:`~celery_claims.errors.BackendUnavailable`, as a failed blocking call would.
+The connection is a redis-py ``Connection`` made by the claim manager's client (which
+:func:`celery_claims.connect` made), so it reaches the store exactly as every other part of
+the package does: every URL form (``redis://``, ``rediss://`` with its TLS options, Unix
+sockets, a Sentinel-managed master, which it looks up again on every reconnect), credentials
+and database, the same timeouts (the read timeout is also how long a reply may take), and
+hiredis as the parser where it is installed (the ``hiredis`` extra). The first call of a
+script on a connection goes behind a ``SCRIPT LOAD`` in the same write, and ``NOSCRIPT`` (a
+store whose script cache was flushed) loads the script and sends the call again, in one write.
 
-It speaks RESP2 over TCP or a Unix socket (the handshake sends ``AUTH`` and ``SELECT`` as the
-URL asks). Where it cannot be used (TLS, a credential provider, ``WAIT`` on writes, a Cluster
-client) :meth:`StorePipe.for_manager` returns ``None`` and the gate uses the manager's blocking
-client. A pipe belongs to one thread (the consumer's).
+On a Redis Cluster (:class:`ClusterPipe`) each call goes on the connection to its queue's slot
+owner (all of a queue's keys are in one slot), one :class:`StorePipe` per node; a ``MOVED``
+reply updates the client's slot map and sends the call again to the new owner, an ``ASK``
+(a slot being migrated) is answered "unavailable" and the gate tries again later.
+
+Where there is no event loop (gevent or eventlet pools, transports without one: the consumer's
+``hub`` is None), :func:`consumer_pipe` returns None and the gate uses the manager's blocking
+client, as it does where each write waits for replicas (``WAIT``). A pipe belongs to the
+consumer's thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import select
 import socket
+import ssl
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import redis
+import redis.exceptions as redis_errors
 from celery.utils.log import get_logger
-from redis.commands.core import Script
 
 from celery_claims.claims.redis import RedisClaimManager, ScriptCall
+from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable
 from celery_claims.errors import BackendError, BackendUnavailable, ClaimError
 
-__all__ = ["Outcome", "ReplyError", "RespReader", "StorePipe", "encode_command"]
+__all__ = ["ClusterPipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
 
 logger = get_logger("celery_claims.worker")
 
 #: A call's result, or the error it ended with (never raised into the event loop).
 Outcome = Any
 
-#: Reply error prefixes that mean "the store cannot serve this now", not a bug.
-_UNAVAILABLE_ERRORS = ("LOADING", "READONLY", "MASTERDOWN", "BUSY", "TRYAGAIN", "CLUSTERDOWN")
+#: Takes over a call a Cluster node answered ``MOVED``: the error, the call, its callback.
+Redirect = Callable[[redis_errors.MovedError, ScriptCall[Any], Callable[[Outcome], None]], None]
 
-_CRLF = b"\r\n"
-_READ_SIZE = 65536
-
-
-class ReplyError(str):
-    """An error reply (``-ERR ...``) as parsed; the text without the leading ``-``."""
-
-
-class _Incomplete(Exception):
-    pass
+#: Error replies that mean "the store cannot serve this now", not a bug. redis-py maps most of
+#: them to classes; ``BUSY`` (a script running too long) keeps its text.
+_UNAVAILABLE_REPLIES = (
+    redis_errors.ReadOnlyError,
+    redis_errors.TryAgainError,
+    redis_errors.ClusterDownError,
+)
+_UNAVAILABLE_PREFIXES = ("BUSY ", "LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
 
 
-class RespReader:
-    """An incremental RESP2 reply parser: :meth:`feed` bytes, then :meth:`gets` replies.
-
-    Simple strings and bulk strings come back as ``bytes``, integers as ``int``, nulls as
-    ``None``, arrays as lists and error replies as :class:`ReplyError`.
-    """
-
-    #: returned by :meth:`gets` when no whole reply is buffered
-    INCOMPLETE: Any = object()
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._pos = 0
-
-    def feed(self, data: bytes) -> None:
-        """Append received bytes."""
-        if self._pos and self._pos == len(self._buf):
-            self._buf.clear()
-            self._pos = 0
-        self._buf += data
-
-    def pending(self) -> bool:
-        """True if bytes of an unfinished reply are buffered."""
-        return self._pos < len(self._buf)
-
-    def gets(self) -> Any:
-        """The next whole reply, or :attr:`INCOMPLETE`.
-
-        Raises:
-            redis.exceptions.InvalidResponse: the bytes are not RESP2.
-        """
-        try:
-            value, self._pos = self._parse(self._pos)
-        except _Incomplete:
-            return self.INCOMPLETE
-        if self._pos > _READ_SIZE:
-            del self._buf[: self._pos]
-            self._pos = 0
-        return value
-
-    def _parse(self, pos: int) -> tuple[Any, int]:
-        # iterative: a reply is parsed in one call, whatever its nesting
-        buf = self._buf
-        open_arrays: list[tuple[list[Any], int]] = []  # (items so far, items expected)
-        while True:
-            end = buf.find(_CRLF, pos)
-            if end < 0:
-                raise _Incomplete
-            kind = buf[pos]
-            value: Any
-            if kind == 0x24:  # $ bulk string
-                size = int(buf[pos + 1 : end])
-                pos = end + 2
-                if size < 0:
-                    value = None
-                else:
-                    if len(buf) < pos + size + 2:
-                        raise _Incomplete
-                    value = bytes(buf[pos : pos + size])
-                    pos += size + 2
-            elif kind == 0x3A:  # : integer
-                value = int(buf[pos + 1 : end])
-                pos = end + 2
-            elif kind == 0x2A:  # * array
-                count = int(buf[pos + 1 : end])
-                pos = end + 2
-                if count > 0:
-                    open_arrays.append(([], count))
-                    continue
-                value = None if count < 0 else []
-            elif kind == 0x2B:  # + simple string
-                value = bytes(buf[pos + 1 : end])
-                pos = end + 2
-            elif kind == 0x2D:  # - error
-                value = ReplyError(bytes(buf[pos + 1 : end]).decode("utf-8", "replace"))
-                pos = end + 2
-            else:
-                raise redis.exceptions.InvalidResponse(f"unexpected reply type {chr(kind)!r}")
-            while open_arrays:
-                items, expected = open_arrays[-1]
-                items.append(value)
-                if len(items) < expected:
-                    break
-                open_arrays.pop()
-                value = items
-            else:
-                return value, pos
+def _reply_error(exc: redis_errors.ResponseError) -> ClaimError:
+    if isinstance(exc, _UNAVAILABLE_REPLIES) or str(exc).startswith(_UNAVAILABLE_PREFIXES):
+        return BackendUnavailable(f"claim store unavailable: {exc}")
+    return BackendError(f"claim store error: {exc}")
 
 
-def encode_command(parts: Sequence[Any]) -> bytes:
-    """One command in RESP2 (an array of bulk strings); ``str`` is sent as UTF-8."""
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        if isinstance(part, bytes):
-            data = part
-        elif isinstance(part, str):
-            data = part.encode("utf-8")
-        elif isinstance(part, int):
-            data = b"%d" % part
-        else:
-            raise TypeError(f"cannot send {type(part).__name__} to Redis")
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
+def _refused(exc: BaseException) -> ClaimError:
+    """A failed connect or handshake as the package's error: may heal, or will not."""
+    if isinstance(exc, redis_errors.AuthenticationError | redis_errors.AuthorizationError):
+        return StoreUnusable(f"the claim store refused the connection's credentials: {exc}")
+    if isinstance(exc, redis_errors.ResponseError) or isinstance(exc.__context__, ssl.SSLError):
+        return StoreUnusable(f"the claim store refused the connection: {exc}")
+    # refused, unreachable, timed out, LOADING (redis-py's BusyLoadingError)
+    return BackendUnavailable(f"claim store unavailable: {exc}")
 
 
-def _script_command(call: ScriptCall[Any], *, by_source: bool) -> bytes:
-    if by_source:
-        return encode_command(["EVAL", call.script.script, len(call.keys), *call.keys, *call.args])
-    # EVALSHA, the sha and the keys repeat for every call of a script on a queue
-    cache_key = (call.script.sha, *call.keys)
-    head = _HEADS.get(cache_key)
-    if head is None:
-        if len(_HEADS) >= _HEADS_MAX:
-            _HEADS.clear()
-        head = _HEADS[cache_key] = encode_command(
-            ["EVALSHA", call.script.sha, len(call.keys), *call.keys]
-        ).partition(_CRLF)[2]
-    return b"*%d\r\n%s%s" % (
-        3 + len(call.keys) + len(call.args),
-        head,
-        encode_command(call.args).partition(_CRLF)[2],
-    )
-
-
-#: Encoded ``EVALSHA sha numkeys keys...`` (without the array header), per script and keys.
-_HEADS: dict[tuple[str, ...], bytes] = {}
-_HEADS_MAX = 1024
-
-
-def _reply_error(message: str, *, context: str = "") -> ClaimError:
-    # the error's own first word decides ("LOADING ..."), not the context put before it
-    if message.startswith(_UNAVAILABLE_ERRORS):
-        return BackendUnavailable(f"claim store unavailable: {context}{message}")
-    return BackendError(f"claim store error: {context}{message}")
+def _socket_of(connection: Any) -> socket.socket | None:
+    # redis-py keeps the connected socket in ``_sock`` (None when disconnected); kombu's Redis
+    # transport registers ``client.connection._sock`` on the hub the same way
+    sock: socket.socket | None = getattr(connection, "_sock", None)
+    return sock
 
 
 def _ignore(outcome: Outcome) -> None:
@@ -203,139 +103,119 @@ def _ignore(outcome: Outcome) -> None:
 
 @dataclass(eq=False, slots=True)
 class _Pending:
-    call: ScriptCall[Any] | None
+    call: ScriptCall[Any] | None  # None: a SCRIPT LOAD whose reply nobody waits for
     callback: Callable[[Outcome], None]
     sent_at: float
-    by_source: bool = False
+    seq: int
+    resent: bool = False
 
 
 class StorePipe:
     """The consumer thread's connection to the claim store (see the module docstring).
 
     Args:
-        timer: the worker's timer (``call_after``), which reads late replies.
-        address: ``(host, port)``, or a Unix socket path.
-        handshake: commands sent (and checked) right after connecting: ``AUTH``, ``SELECT``.
-        scripts: the scripts loaded on each connection (and again when the store answers
-            ``NOSCRIPT``), so a call sent without waiting does not wait for a reload either.
-        timeout_s: connect timeout, and the longest a reply may take before the connection
-            is dropped and every waiting call ends with :class:`BackendUnavailable`.
-        poll_s: how soon after a call sent with :meth:`submit` its reply is read at the latest
-            (while the worker's timer runs).
+        connection: a redis-py connection, not connected yet (see :meth:`for_manager`).
+        hub: the consumer's event loop (``consumer.hub``, a kombu ``Hub``): its socket is
+            registered there and overdue replies are found by its timer.
+        timeout_s: how long a reply may take before the connection is dropped and every
+            waiting call ends with :class:`BackendUnavailable`; by default the connection's
+            read timeout (the package's one timeout policy).
+        redirect: takes over a call answered ``MOVED`` (a Cluster node's pipe): called with
+            the error, the call and its callback.
     """
 
     def __init__(
         self,
-        timer: Any,
-        address: tuple[str, int] | str,
+        connection: Any,
+        hub: Any,
         *,
-        handshake: Sequence[Sequence[Any]] = (),
-        scripts: Sequence[Script] = (),
-        timeout_s: float = 5.0,
-        poll_s: float = 0.25,
+        timeout_s: float | None = None,
+        redirect: Redirect | None = None,
     ) -> None:
-        self.timer = timer
-        self.address = address
-        self.handshake = [list(command) for command in handshake]
-        self.scripts = list(scripts)
-        self.timeout_s = timeout_s
-        self.poll_s = poll_s
-        self._sock: socket.socket | None = None
-        self._poller = select.poll()
-        self._reader = RespReader()
+        self.connection = connection
+        self.hub = hub
+        self.redirect = redirect
+        self.timeout_s = float(
+            timeout_s or getattr(connection, "socket_timeout", None) or DEFAULT_TIMEOUT_S
+        )
         self._pending: deque[_Pending] = deque()
-        self._timer_entry: Any = None
+        self._sock: socket.socket | None = None  # the socket registered on the hub
+        self._fd = -1
+        self._seq = 0  # commands sent on this socket
+        self._loaded: dict[str, int] = {}  # sha -> seq of its last SCRIPT LOAD on this socket
+        self._deadline: Any = None
 
     @classmethod
-    def for_manager(
-        cls, manager: RedisClaimManager, timer: Any, *, timeout_s: float
-    ) -> StorePipe | None:
-        """A pipe to ``manager``'s store, or None where only the blocking client can go."""
+    def for_manager(cls, manager: RedisClaimManager, hub: Any) -> StorePipe | None:
+        """A pipe to ``manager``'s standalone or Sentinel-managed store on ``hub``, or None
+        (no hub, writes that wait for replicas, a Cluster: see :func:`consumer_pipe`)."""
         client = manager.client
-        if timer is None or manager.waits_for_replicas or not isinstance(client, redis.Redis):
+        if hub is None or manager.waits_for_replicas or not isinstance(client, redis.Redis):
             return None
-        pool = client.connection_pool
-        kwargs = pool.connection_kwargs
-        if kwargs.get("credential_provider") is not None:
-            return None
-        address: tuple[str, int] | str
-        if issubclass(pool.connection_class, redis.UnixDomainSocketConnection):
-            address = str(kwargs["path"])
-        elif pool.connection_class is redis.Connection:
-            address = (str(kwargs.get("host", "localhost")), int(kwargs.get("port", 6379)))
-        else:  # TLS and other transports
-            return None
-        handshake: list[list[Any]] = []
-        password = kwargs.get("password")
-        if password is not None:
-            username = kwargs.get("username")
-            user = [] if username is None else [username]
-            handshake.append(["AUTH", *user, password])
-        db = int(kwargs.get("db") or 0)
-        if db:
-            handshake.append(["SELECT", db])
-        scripts = [manager.scripts["claim"], manager.scripts["release"]]
-        return cls(timer, address, handshake=handshake, scripts=scripts, timeout_s=timeout_s)
+        # the pool's own factory method: the client's connection class and arguments (TLS,
+        # Unix socket, Sentinel-managed master, credentials, database, timeouts)
+        return cls(client.connection_pool.make_connection(), hub)
 
     # --- calls ------------------------------------------------------------------------------
 
     @property
     def waiting(self) -> int:
         """Calls sent whose reply has not been read yet."""
-        return len(self._pending)
+        return sum(1 for item in self._pending if item.call is not None)
 
-    def call(self, call: ScriptCall[Any]) -> Outcome:
-        """Send ``call`` and wait for its reply (replies to earlier calls are delivered first).
+    @property
+    def address(self) -> tuple[str, int] | str:
+        """The store's Unix socket path, or ``(host, port)`` (of the master, once connected,
+        for a Sentinel-managed store)."""
+        path = getattr(self.connection, "path", None)
+        if path:
+            return str(path)
+        return (str(self.connection.host), int(self.connection.port))
 
-        One round trip; returns the decoded result or the error it decodes to (a store that
-        cannot be reached gives :class:`BackendUnavailable`, a refused ``AUTH`` or ``SELECT``
-        :class:`BackendError`).
-        """
-        box: list[Outcome] = []
-        try:
-            self.submit(call, box.append)
-        except ClaimError as exc:  # could not connect, or the handshake was refused
-            return exc
-        while not box and self._sock is not None:
-            self._read(wait=True)
-        # a dropped connection fails every waiting call, this one included
-        return box[0] if box else BackendUnavailable("claim store connection lost")
-
-    def submit(self, call: ScriptCall[Any], callback: Callable[[Outcome], None]) -> None:
-        """Send ``call`` without waiting; ``callback`` later gets its decoded result or error.
+    def submit(
+        self,
+        call: ScriptCall[Any],
+        callback: Callable[[Outcome], None],
+        *,
+        redirected: bool = False,
+    ) -> None:
+        """Send ``call`` now; ``callback`` gets its decoded result or error once the reply is
+        read (from the event loop, or by :meth:`call` / :meth:`drain`).
 
         An exception the callback raises is logged, never raised to whoever read the reply.
+        A call that could be sent but not answered (the connection dropped, the reply overdue)
+        ends with :class:`BackendUnavailable`, through the callback. ``redirected``: the call
+        was answered ``MOVED`` elsewhere already (it is not redirected again).
 
         Raises:
             BackendUnavailable: the store could not be connected to (nothing was sent, the
                 callback will not be called).
-            BackendError: the store refused the handshake (likewise).
+            StoreUnusable: the store refused the handshake (credentials, database, TLS).
         """
-        sock = self._connect()
-        self._pending.append(_Pending(call, callback, time.monotonic()))
-        self._send(sock, _script_command(call, by_source=False))
-        if self._timer_entry is None and self._sock is not None:
-            self._timer_entry = self.timer.call_after(self.poll_s, self.poll, priority=6)
+        self._connect()
+        item = _Pending(call, callback, time.monotonic(), 0, resent=redirected)
+        self._send(self._enqueue(item, load=call.script.sha not in self._loaded))
+        self._arm()
 
-    def poll(self) -> None:
-        """Deliver the replies that have arrived; drop the connection if one is overdue.
+    def call(self, call: ScriptCall[Any]) -> Outcome:
+        """Send ``call`` and wait for its reply (replies to earlier calls are delivered first).
 
-        Runs from the worker's timer while calls wait, and may be called at any time.
+        Returns the decoded result or the error it decodes to, never raises for the store: a
+        store that cannot be reached gives :class:`BackendUnavailable`, a refused handshake
+        :class:`~celery_claims.connection.StoreUnusable`.
         """
-        self._timer_entry = None
-        self._read(wait=False)
-        if self._sock is None or not self._pending:
-            return
-        waited = time.monotonic() - self._pending[0].sent_at
-        if waited >= self.timeout_s:
-            self._broken(TimeoutError(f"no reply in {self.timeout_s:.1f} s"))
-            return
-        self._timer_entry = self.timer.call_after(self.poll_s, self.poll, priority=6)
+        box: list[Outcome] = []
+        try:
+            self.submit(call, box.append)
+        except ClaimError as exc:
+            return exc
+        self._wait_until(lambda: bool(box))
+        # a dropped connection fails every waiting call, this one included
+        return box[0] if box else BackendUnavailable("claim store connection lost")
 
     def drain(self) -> None:
-        """Wait for every outstanding reply (up to the timeout) and deliver them."""
-        while self._pending and self._sock is not None:
-            self._read(wait=True)
+        """Wait for every outstanding reply (each up to the timeout) and deliver them."""
+        self._wait_until(lambda: not self._pending)
 
     def close(self) -> None:
         """Drop the connection; calls still waiting end with :class:`BackendUnavailable`."""
@@ -343,172 +223,301 @@ class StorePipe:
 
     # --- connection -------------------------------------------------------------------------
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> None:
+        connection = self.connection
         if self._sock is not None:
-            return self._sock
+            if not self._pending:
+                # an idle connection is PINGed first, as every client of the package does
+                # (health_check_interval): a store restarted meanwhile is found before the
+                # claim is sent into a dead socket; nothing waits on the socket, so the PING's
+                # reply cannot be confused with a claim's
+                try:
+                    connection.check_health()
+                except (redis_errors.RedisError, OSError) as exc:
+                    self._broken(exc)
+                    raise BackendUnavailable(f"claim store unavailable: {exc}") from exc
+            if _socket_of(connection) is self._sock:
+                if self.hub.readers.get(self._fd) is None:
+                    # the hub was reset (Celery does after a broker connection error)
+                    self.hub.add_reader(self._fd, self._on_readable)
+                return
+            self._broken(ConnectionError("reconnected"))  # by the health check
         try:
-            if isinstance(self.address, str):
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self.timeout_s)
-                sock.connect(self.address)
-            else:
-                sock = socket.create_connection(self.address, timeout=self.timeout_s)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError as exc:
-            raise BackendUnavailable(f"claim store unavailable: {exc}") from exc
-        try:
-            self._handshake(sock)
-        except BaseException:
-            sock.close()
-            raise
-        # non-blocking from here: a socket with a timeout polls before every send and recv
-        sock.setblocking(False)
-        self._poller = select.poll()
-        self._poller.register(sock, select.POLLIN)
-        self._sock = sock
-        self._reader = RespReader()
-        return sock
-
-    def _handshake(self, sock: socket.socket) -> None:
-        commands = self.handshake + [["SCRIPT", "LOAD", script.script] for script in self.scripts]
-        if not commands:
-            return
-        reader = RespReader()
-        try:
-            sock.sendall(b"".join(encode_command(command) for command in commands))
-            for command in commands:
-                reply = reader.gets()
-                while reply is RespReader.INCOMPLETE:
-                    data = sock.recv(_READ_SIZE)
-                    if not data:
-                        raise ConnectionError("connection closed during the handshake")
-                    reader.feed(data)
-                    reply = reader.gets()
-                if isinstance(reply, ReplyError):
-                    # LOADING and the like mean "not now", like a refused connection; the
-                    # rest (NOAUTH, a wrong password) is a configuration error
-                    raise _reply_error(f"{reply:.200}", context=f"{command[0]} refused: ")
-        except OSError as exc:
-            raise BackendUnavailable(f"claim store unavailable: {exc}") from exc
+            connection.connect()
+        except (redis_errors.RedisError, OSError) as exc:
+            with contextlib.suppress(Exception):
+                connection.disconnect()
+            raise _refused(exc) from exc
+        sock = _socket_of(connection)
+        if sock is None:
+            raise BackendUnavailable("claim store unavailable: no socket after connecting")
+        self._sock, self._fd = sock, sock.fileno()
+        self._seq = 0
+        self._loaded.clear()
+        self.hub.add_reader(self._fd, self._on_readable)
 
     def _broken(self, error: BaseException) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.close()
-        self._reader = RespReader()
-        if self._timer_entry is not None:
+            # off the hub before the socket closes: its number may be reused at once
             with contextlib.suppress(Exception):
-                self._timer_entry.cancel()
-            self._timer_entry = None
+                self.hub.remove_reader(self._fd)
+        with contextlib.suppress(Exception):
+            self.connection.disconnect()
+        deadline, self._deadline = self._deadline, None
+        if deadline is not None:
+            with contextlib.suppress(Exception):
+                deadline.cancel()
         pending, self._pending = self._pending, deque()
-        if pending:
+        calls = [item for item in pending if item.call is not None]
+        if calls:
             logger.warning(
                 "Claim store connection of the consumer dropped (%s); %d call(s) failed",
                 error,
-                len(pending),
+                len(calls),
             )
         failure = BackendUnavailable(f"claim store unavailable: {error}")
-        for item in pending:
+        for item in calls:
             self._deliver(item.callback, failure)
 
     # --- sending and reading ----------------------------------------------------------------
 
-    def _send(self, sock: socket.socket, data: bytes) -> None:
+    def _enqueue(self, item: _Pending, *, load: bool) -> list[bytes]:
+        """Queue ``item`` (after a ``SCRIPT LOAD`` of its script if ``load``) and return the
+        bytes to send; the replies come back in this order."""
+        call = item.call
+        assert call is not None
+        packed: list[bytes] = []
+        if load:
+            # in the same write, and nobody waits for its reply: the call behind it finds the
+            # script whatever the store's cache held
+            self._seq += 1
+            self._loaded[call.script.sha] = self._seq
+            self._pending.append(_Pending(None, _ignore, item.sent_at, self._seq))
+            packed += self.connection.pack_command("SCRIPT", "LOAD", call.script.script)
+        self._seq += 1
+        item.seq = self._seq
+        self._pending.append(item)
+        packed += self.connection.pack_command(
+            "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
+        )
+        return packed
+
+    def _send(self, packed: Iterable[bytes]) -> None:
         try:
-            sent = sock.send(data)
-            if sent < len(data):
-                # the socket buffer is full (a store that stopped reading): wait for room
-                self._send_rest(sock, memoryview(data)[sent:])
-        except BlockingIOError:
-            self._send_rest(sock, memoryview(data))
-        except OSError as exc:
+            # no health check here: a PING's reply would be read as a waiting call's
+            self.connection.send_packed_command(list(packed), check_health=False)
+        except (redis_errors.RedisError, OSError) as exc:
             self._broken(exc)
 
-    def _send_rest(self, sock: socket.socket, rest: memoryview) -> None:
-        deadline = time.monotonic() + self.timeout_s
+    def _on_readable(self) -> None:
+        """The hub's reader callback: deliver the replies that came. Never raises (an
+        exception would stop the consumer's event loop)."""
         try:
-            writable = select.poll()
-            writable.register(sock, select.POLLOUT)
-            while rest:
-                if not writable.poll(max(deadline - time.monotonic(), 0) * 1000):
-                    raise TimeoutError(f"could not send in {self.timeout_s:.1f} s")
-                try:
-                    rest = rest[sock.send(rest) :]
-                except BlockingIOError:
-                    continue
-        except OSError as exc:
+            self._read_ready()
+        except Exception as exc:
+            logger.exception("Claim store pipe: reading replies failed")
             self._broken(exc)
 
-    def _read(self, *, wait: bool) -> None:
+    def _read_ready(self) -> None:
+        """Deliver every reply already received, without waiting for more."""
         sock = self._sock
-        if sock is None:
-            return
-        try:
-            if wait and not self._poller.poll(self.timeout_s * 1000):
-                raise TimeoutError(f"no reply in {self.timeout_s:.1f} s")
+        while sock is not None and self._sock is sock:
             try:
-                while True:
-                    data = sock.recv(_READ_SIZE)
-                    if not data:
-                        raise ConnectionError("connection closed by the store")
-                    self._reader.feed(data)
-                    if len(data) < _READ_SIZE:
-                        break
-            except BlockingIOError:
-                pass
-        except OSError as exc:  # a timeout included
-            self._broken(exc)
-            return
-        self._dispatch(sock)
+                # also true for replies already buffered by the parser (hiredis reads ahead)
+                ready = self.connection.can_read(timeout=0)
+            except (redis_errors.RedisError, OSError) as exc:
+                self._broken(exc)  # closed by the store, or reset
+                return
+            if not ready:
+                return
+            if not self._pending:
+                self._broken(redis_errors.InvalidResponse("a reply nobody asked for"))
+                return
+            self._read_one()
 
-    def _dispatch(self, sock: socket.socket) -> None:
-        reader = self._reader
-        while self._pending and self._sock is sock:
+    def _wait_until(self, done: Callable[[], bool]) -> None:
+        while not done() and self._pending and self._sock is not None:
+            remaining = self._pending[0].sent_at + self.timeout_s - time.monotonic()
             try:
-                reply = reader.gets()
-            except redis.exceptions.InvalidResponse as exc:
+                ready = remaining > 0 and self.connection.can_read(timeout=remaining)
+            except (redis_errors.RedisError, OSError) as exc:
                 self._broken(exc)
                 return
-            if reply is RespReader.INCOMPLETE:
+            if not ready:
+                self._broken(TimeoutError(f"no reply in {self.timeout_s:.1f} s"))
                 return
-            item = self._pending.popleft()
-            if item.call is None:  # a reload (SCRIPT LOAD): nothing waits for its reply
-                continue
-            noscript = isinstance(reply, ReplyError) and reply.startswith("NOSCRIPT")
-            if noscript and not item.by_source:
-                # the script cache was flushed: send this call's source once, and load the
-                # other scripts again before anything else is sent without waiting
-                item.by_source = True
-                item.sent_at = time.monotonic()
-                self._pending.append(item)
-                self._send(sock, _script_command(item.call, by_source=True))
-                self._reload(sock)
-                continue
-            outcome: Outcome
-            if isinstance(reply, ReplyError):
-                outcome = _reply_error(reply)
-            else:
-                try:
-                    outcome = item.call.decode(reply)
-                except ClaimError as exc:
-                    outcome = exc
-                except Exception as exc:
-                    outcome = BackendError(f"claim store: unreadable reply {reply!r:.200}: {exc}")
-            self._deliver(item.callback, outcome)
-        if self._sock is sock and not self._pending and reader.pending():
-            self._broken(redis.exceptions.InvalidResponse("a reply nobody asked for"))
+            self._read_one()
 
-    def _reload(self, sock: socket.socket) -> None:
-        now = time.monotonic()
-        loads = []
-        for script in self.scripts:
-            self._pending.append(_Pending(None, _ignore, now))
-            loads.append(encode_command(["SCRIPT", "LOAD", script.script]))
-        self._send(sock, b"".join(loads))
+    def _read_one(self) -> None:
+        """Read the next reply (it is there, or on its way) and hand it to its call."""
+        sock = self._sock
+        try:
+            reply: Any = self.connection.read_response()
+        except redis_errors.ResponseError as exc:
+            reply = exc  # an error reply: the connection is fine
+        except (redis_errors.RedisError, OSError) as exc:
+            self._broken(exc)  # redis-py dropped the connection (LOADING included)
+            return
+        if self._sock is not sock or not self._pending:
+            return
+        item = self._pending.popleft()
+        if item.call is None:
+            return  # a SCRIPT LOAD's reply (an error shows in the call sent after it)
+        if isinstance(reply, redis_errors.NoScriptError) and not item.resent:
+            self._resend(item)
+            return
+        if isinstance(reply, redis_errors.MovedError) and self.redirect and not item.resent:
+            self.redirect(reply, item.call, item.callback)
+            return
+        outcome: Outcome
+        if isinstance(reply, redis_errors.AskError):
+            # MOVED once more, or ASK: the slot is being migrated; tried again later
+            outcome = BackendUnavailable(f"claim store unavailable: slot moving ({reply})")
+        elif isinstance(reply, redis_errors.ResponseError):
+            outcome = _reply_error(reply)
+        else:
+            try:
+                outcome = item.call.decode(reply)
+            except ClaimError as exc:
+                outcome = exc
+            except Exception as exc:
+                outcome = BackendError(f"claim store: unreadable reply {reply!r:.200}: {exc}")
+        self._deliver(item.callback, outcome)
+
+    def _resend(self, item: _Pending) -> None:
+        """``NOSCRIPT`` (the store's script cache was flushed, or the store restarted): send
+        the call again, behind a ``SCRIPT LOAD`` unless one was sent after the call was."""
+        assert item.call is not None
+        item.sent_at, item.resent = time.monotonic(), True
+        load = self._loaded.get(item.call.script.sha, -1) < item.seq
+        self._send(self._enqueue(item, load=load))
+        self._arm()
+
+    # --- overdue replies --------------------------------------------------------------------
+
+    def _arm(self) -> None:
+        """One timer entry, due when the oldest waiting call's reply is overdue."""
+        entry = self._deadline
+        if (entry is not None and not entry.canceled) or not self._pending:
+            return
+        due = self._pending[0].sent_at + self.timeout_s - time.monotonic()
+        self._deadline = self.hub.call_later(max(due, 0.0), self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        self._deadline = None
+        try:
+            if self._sock is None or not self._pending:
+                return
+            # replies that came while the loop was busy (a solo pool's task) are not late
+            self._read_ready()
+            if self._pending and time.monotonic() - self._pending[0].sent_at >= self.timeout_s:
+                self._broken(TimeoutError(f"no reply in {self.timeout_s:.1f} s"))
+            else:
+                self._arm()
+        except Exception as exc:
+            logger.exception("Claim store pipe: checking for overdue replies failed")
+            self._broken(exc)
 
     def _deliver(self, callback: Callable[[Outcome], None], outcome: Outcome) -> None:
         try:
             callback(outcome)
         except Exception:
             logger.exception("Claim store pipe: a reply callback failed")
+
+
+class ClusterPipe:
+    """The consumer's pipes to a Redis Cluster: one :class:`StorePipe` per node, each call on
+    the pipe of its queue's slot owner (see the module docstring).
+
+    Args:
+        client: the claim manager's Cluster client (its slot map and node clients).
+        hub: the consumer's event loop.
+    """
+
+    def __init__(self, client: redis.RedisCluster, hub: Any) -> None:
+        self.client = client
+        self.hub = hub
+        self.pipes: dict[str, StorePipe] = {}
+
+    @property
+    def waiting(self) -> int:
+        """Calls sent whose reply has not been read yet, on every node."""
+        return sum(pipe.waiting for pipe in self.pipes.values())
+
+    def pipe_of(self, call: ScriptCall[Any]) -> StorePipe:
+        """The pipe to the node that owns ``call``'s slot (as the client's slot map has it)."""
+        cluster: Any = self.client  # get_node_from_key is untyped in redis-py
+        node = cluster.get_node_from_key(call.keys[0])
+        pipe = self.pipes.get(node.name)
+        if pipe is None:
+            pool = self.client.get_redis_connection(node).connection_pool
+            pipe = StorePipe(pool.make_connection(), self.hub, redirect=self._moved)
+            self.pipes[node.name] = pipe
+        return pipe
+
+    def submit(
+        self,
+        call: ScriptCall[Any],
+        callback: Callable[[Outcome], None],
+        *,
+        redirected: bool = False,
+    ) -> None:
+        """:meth:`StorePipe.submit` on the pipe of ``call``'s slot owner.
+
+        Raises:
+            BackendUnavailable: see :meth:`StorePipe.submit`; also a slot no node covers.
+            StoreUnusable: see :meth:`StorePipe.submit`.
+        """
+        try:
+            pipe = self.pipe_of(call)
+        except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
+            raise BackendUnavailable(f"claim store unavailable: {exc}") from exc
+        pipe.submit(call, callback, redirected=redirected)
+
+    def call(self, call: ScriptCall[Any]) -> Outcome:
+        """:meth:`StorePipe.call` on the pipe of ``call``'s slot owner (a ``MOVED`` is
+        followed to the new owner); waits for every node's replies."""
+        box: list[Outcome] = []
+        try:
+            self.submit(call, box.append)
+        except ClaimError as exc:
+            return exc
+        self.drain()
+        return box[0] if box else BackendUnavailable("claim store connection lost")
+
+    def drain(self) -> None:
+        """:meth:`StorePipe.drain` on every node's pipe."""
+        while any(pipe.waiting for pipe in self.pipes.values()):
+            for pipe in list(self.pipes.values()):
+                pipe.drain()
+
+    def close(self) -> None:
+        """Close every node's pipe (calls still waiting end with :class:`BackendUnavailable`)."""
+        for pipe in list(self.pipes.values()):
+            pipe.close()
+
+    def _moved(
+        self,
+        moved: redis_errors.MovedError,
+        call: ScriptCall[Any],
+        callback: Callable[[Outcome], None],
+    ) -> None:
+        # the client's own slot map learns it too, as redis-py's cluster client does
+        self.client.nodes_manager.move_slot(moved)
+        try:
+            self.submit(call, callback, redirected=True)
+        except ClaimError as exc:
+            callback(exc)
+
+
+#: The consumer's pipe: to a standalone (or Sentinel-managed) store, or to a Cluster.
+Pipe = StorePipe | ClusterPipe
+
+
+def consumer_pipe(manager: RedisClaimManager, hub: Any) -> Pipe | None:
+    """The consumer's pipe to ``manager``'s store on ``hub``, or None where only the blocking
+    client can go (no hub, writes that wait for replicas)."""
+    if isinstance(manager.client, redis.RedisCluster):
+        return None if hub is None else ClusterPipe(manager.client, hub)
+    return StorePipe.for_manager(manager, hub)
