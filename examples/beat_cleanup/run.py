@@ -23,7 +23,6 @@ from pathlib import Path
 
 from celery_claims import RedisClaimManager
 from celery_claims.demo.runner import private_redis
-from celery_claims.observe import server_now_ms
 
 HERE = Path(__file__).resolve().parent
 
@@ -83,8 +82,8 @@ def run(url: str) -> None:
 
     def stored() -> tuple[int, int]:
         """(claims stored in the queue, of which expired), by the Redis server's clock."""
-        now = server_now_ms(client)
-        return int(client.zcard(keys.expiries)), int(client.zcount(keys.expiries, "-inf", now))
+        total = int(client.hlen(keys.claims))
+        return total, total - claims.active_claims(QUEUE)
 
     with contextlib.ExitStack() as stack:
         stack.callback(claims.close)
