@@ -48,6 +48,7 @@ from celery_claims.worker.compat import (
     BrokerRide,
     Delivery,
     forget_delivery,
+    requeued,
     result_ready,
 )
 from celery_claims.worker.guard import REQUEST_KEY, ClaimUnverified, StaleCopy
@@ -281,6 +282,9 @@ class Lifecycle:
         self.ride_acks = False
         #: wakes the lease keeper (set by it): a claim's lease is too short for its period
         self.wake_keeper: Callable[[], object] = lambda: None
+        #: told ``(queue_id, task_key)`` when a copy's message is acked for good (its publish
+        #: journal entry can go; set by the runtime)
+        self.on_settled: Callable[[str, str], object] = lambda queue_id, task_key: None
         self._riding: dict[Any, tuple[Copy, BrokerRide]] = {}
         if lanes is not None:
             lanes.slots = self.slots
@@ -435,6 +439,7 @@ class Lifecycle:
         )
         # only the message goes: the result the first run stored stays as it is
         request.acknowledge()
+        self.on_settled(copy.queue_id, copy.task_key)
         task_ready(request)
         signals.task_skipped.send(
             sender=request.task,
@@ -540,6 +545,7 @@ class Lifecycle:
             self._finish(copy, State.DONE, "succeeded")
             self.counters.incr("completed")
             celery_handler()
+            self.on_settled(copy.queue_id, copy.task_key)
             return
         self._record(copy, "succeeded", celery_handler)
 
@@ -630,6 +636,7 @@ class Lifecycle:
         why = "rejected" if isinstance(exc, Reject) else f"failed ({type(exc).__name__})"
         self._release(copy, why)
         celery_handler()
+        self._settled_unless_requeued(copy)
 
     def timed_out(self, copy: Copy, soft: bool, celery_handler: Callable[[], object]) -> None:
         """A time limit fired (``on_timeout``); a hard one releases the claim."""
@@ -639,6 +646,14 @@ class Lifecycle:
         if copy.state in (State.QUEUED, State.RUNNING):
             self._release(copy, "hard time limit")
         self._repeat(copy, celery_handler)
+        if copy.state is State.RELEASED:
+            self._settled_unless_requeued(copy)
+
+    def _settled_unless_requeued(self, copy: Copy) -> None:
+        """An ended attempt's message is gone unless Celery's handler requeued it
+        (``Reject(requeue=True)``, ``task_reject_on_worker_lost``)."""
+        if not requeued(copy.request):
+            self.on_settled(copy.queue_id, copy.task_key)
 
     @staticmethod
     def _repeat(copy: Copy, celery_handler: Callable[[], object]) -> None:
@@ -867,6 +882,7 @@ class Lifecycle:
             self._riding.pop(copy.ride_tag, None)
             copy.ride_tag = None
         self.counters.incr("completed")
+        self.on_settled(copy.queue_id, copy.task_key)
         logger.debug("Claim %s: %s, recorded done", copy.claim_id, why)
         ack, copy.deferred_ack = copy.deferred_ack, None
         if ack is not None:
