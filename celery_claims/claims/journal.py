@@ -20,10 +20,11 @@ clock is off neither delays nor hastens recovery.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from types import MappingProxyType
 from typing import Any
 
 from redis.commands.core import Script
@@ -84,6 +85,11 @@ class RedisJournal:
         self._put: Script = client.register_script(_source("journal_put"))
         self._take: Script = client.register_script(_source("journal_take"))
         self._keys: dict[str, QueueKeys] = {}
+
+    @property
+    def scripts(self) -> Mapping[str, Script]:
+        """The registered scripts by operation name (``journal_put``, ``journal_take``)."""
+        return MappingProxyType({"journal_put": self._put, "journal_take": self._take})
 
     def keys(self, queue_id: str) -> QueueKeys:
         """The key names of ``queue_id``."""

@@ -36,6 +36,7 @@ __all__ = [
     "shares_delivery_tags",
     "store_is_broker",
     "unwrap_exception",
+    "close_with",
     "wrap_send_task",
 ]
 
@@ -365,3 +366,21 @@ def wrap_send_task(app: Any, around: Callable[..., Any]) -> None:
     send_task._celery_claims_wrapped = True  # type: ignore[attr-defined]
     send_task.__doc__ = original.__doc__
     app.send_task = send_task
+
+
+def close_with(app: Any, close: Callable[[], object]) -> None:
+    """Call ``close()`` when ``app.close()`` is called (before Celery's own close).
+
+    Celery has no signal for an app's close (``Celery.close`` only releases its broker
+    pool); an instance attribute is looked up first, as for :func:`wrap_send_task`. Read in
+    Celery 5.3 to 5.7.
+    """
+    original = app.close
+
+    def close_app(*args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(Exception):
+            close()
+        return original(*args, **kwargs)
+
+    close_app.__doc__ = original.__doc__
+    app.close = close_app

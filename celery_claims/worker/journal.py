@@ -47,8 +47,9 @@ from kombu.utils import json
 
 from celery_claims.claims.journal import JournalEntry, RedisJournal
 from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.connection import close as close_client
 from celery_claims.errors import ClaimError, InvalidArgument
-from celery_claims.worker.compat import wrap_send_task
+from celery_claims.worker.compat import close_with, wrap_send_task
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id
 from celery_claims.worker.policy import is_exempt
 from celery_claims.worker.settings import ClaimsSettings, load_settings
@@ -410,10 +411,11 @@ class ProducerJournal:
 
     def close(self) -> None:
         """Close the journal's store client (a later publish reconnects)."""
-        journal, self._journal = self._journal, None
+        with self._lock:
+            journal, self._journal = self._journal, None
         if journal is not None:
             with contextlib.suppress(Exception):
-                journal.client.close()
+                close_client(journal.client)
 
 
 #: Attribute of a Celery app holding its producer journal.
@@ -421,7 +423,10 @@ _APP_ATTR = "_celery_claims_producer_journal"
 
 
 def connect_producer(app: Any) -> ProducerJournal:
-    """Journal every message ``app`` publishes (idempotent; ``install(app)`` calls it)."""
+    """Journal every message ``app`` publishes (idempotent; ``install(app)`` calls it).
+
+    ``app.close()`` closes the journal's store client too.
+    """
     journal = getattr(app, _APP_ATTR, None)
     if isinstance(journal, ProducerJournal):
         return journal
@@ -429,6 +434,7 @@ def connect_producer(app: Any) -> ProducerJournal:
     setattr(app, _APP_ATTR, journal)
     _connect_receiver()
     wrap_send_task(app, journal.around)
+    close_with(app, journal.close)
     return journal
 
 

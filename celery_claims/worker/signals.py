@@ -47,7 +47,10 @@ class Counters:
     ``released``, ``completion_deferred``, ``lease_lost``, ``fenced_success`` (a success not
     recorded because the lease was lost), ``renewals``, ``renew_unavailable``,
     ``unacked_refreshed``, ``revoked_released``, ``reclaimed``, ``start_timeouts``,
-    ``handed_back``, ``skipped_given_up``.
+    ``handed_back``, ``skipped_given_up``; the publish journal's recovery counts
+    ``journal_republished``, ``journal_dropped``, ``journal_cleared``, ``journal_deferred``
+    (its producer side counts ``journal_written`` and ``journal_write_failed`` in
+    :data:`celery_claims.worker.journal.PUBLISH_COUNTERS`, one per process).
     """
 
     def __init__(self) -> None:
