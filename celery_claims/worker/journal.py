@@ -67,7 +67,7 @@ __all__ = [
     "connect_producer",
 ]
 
-logger = get_logger("celery_claims.journal")
+logger = get_logger("celery_claims.worker")
 
 #: The producer counters of this process: ``journal_written``, ``journal_write_failed``.
 PUBLISH_COUNTERS = Counters()
@@ -319,6 +319,20 @@ class ProducerJournal:
         self._skip_until = 0.0
         self._failing = False
 
+    def configure(self, settings: ClaimsSettings) -> None:
+        """Journal with ``settings`` from now on: a worker's own, command-line options
+        included, handed over before its pool forks, so the retries and canvas its tasks
+        publish are journaled where the worker's recovery looks."""
+        with self._lock:
+            self._settings = settings
+            self._enabled = settings.journal
+            self._off = None
+            self._ready = True
+            journal, self._journal = self._journal, None
+        if journal is not None:
+            with contextlib.suppress(Exception):
+                close_client(journal.client)
+
     def _setup(self) -> None:
         with self._lock:
             if self._ready:
@@ -545,8 +559,9 @@ class JournalRecovery:
         self.counters.incr("journal_republished")
         logger.warning(
             "Journal: re-published %s (%d of at most %d): neither done nor claimed %.0f s "
-            "after it was due; lost between the broker and a worker, or still waiting in the "
-            "queue (then this copy is a duplicate the claim gate skips or holds)",
+            "after its publish (or ETA, or last re-publish); lost between the broker and a "
+            "worker, or still waiting in the queue (then this copy is a duplicate the claim "
+            "gate skips or holds)",
             what,
             count,
             self.settings.journal_max_republish,

@@ -50,6 +50,12 @@ def _app(broker: str, queue: str, prefix: str, **conf: Any) -> Celery:
     def fail() -> None:
         raise ValueError("boom")
 
+    @app.task(shared=False, name="t.retry_once", bind=True)
+    def retry_once(self: Any) -> int:
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+        return int(self.request.retries)
+
     @app.task(shared=False, name="t.unclaimed", claims=False)
     def unclaimed() -> None:
         return None
@@ -151,6 +157,24 @@ def test_the_journal_entry_of_a_revoked_task_is_cleared_when_its_worker_drops_it
         worker_state.revoked.discard("j-revoked")
 
 
+def test_a_worker_journals_what_its_tasks_publish_with_its_own_settings(
+    app: Celery, redis_client: redis.Redis, queue: str, key_prefix: str
+) -> None:
+    # Given a worker whose claim prefix is a worker option, not the app's configuration
+    other = f"{key_prefix}w"
+    written = PUBLISH_COUNTERS.get("journal_written")
+    with in_process_worker(app, claims_prefix=other):
+        # When a task it runs publishes its next attempt (a retry)
+        assert app.tasks["t.retry_once"].delay().get(timeout=15) == 1
+
+        # Then both messages were journaled where the worker clears and recovers them, and
+        # both entries are cleared once acked
+        assert PUBLISH_COUNTERS.get("journal_written") - written == 2
+        mine = RedisJournal(client=redis_client, prefix=other)
+        wait_for(lambda: not mine.entries(queue), timeout=10, what="the entries cleared")
+    assert RedisJournal(client=redis_client, prefix=key_prefix).entries(queue) == {}
+
+
 def test_recovery_drops_the_entry_of_a_task_recorded_done_without_republishing_it(
     app: Celery, journal: RedisJournal, claims: RedisClaimManager, redis_client: redis.Redis,
     queue: str,
@@ -216,7 +240,7 @@ def test_recovery_republishes_a_lost_message_as_it_was_then_gives_up_after_max_r
             assert recovery.recover(queue) == 1
             copies.append(json.loads(redis_client.rpop(f"{queue}\x06\x163") or b"{}"))
         time.sleep(RECOVER_AFTER_MS / 1000)
-        with caplog.at_level(logging.WARNING, logger="celery_claims.journal"):
+        with caplog.at_level(logging.WARNING, logger="celery_claims.worker"):
             assert recovery.recover(queue) == 0
 
         # Then it was published again twice, as it was: same id, headers, body, priority
