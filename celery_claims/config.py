@@ -41,6 +41,9 @@ __all__ = [
     "DEFAULT_CLEANUP_LIMIT",
     "DEFAULT_DONE_TTL_MS",
     "DEFAULT_HELD_RECHECK_MS",
+    "DEFAULT_JOURNAL_MAX_REPUBLISH",
+    "DEFAULT_JOURNAL_RECOVER_AFTER_MS",
+    "DEFAULT_JOURNAL_SCAN_INTERVAL_MS",
     "DEFAULT_LANE_RECHECK_MS",
     "DEFAULT_LEASE_MS",
     "DEFAULT_MAX_TAKEOVERS",
@@ -92,6 +95,13 @@ DEFAULT_CLEANUP_LIMIT = 10_000
 #: Ports a worker's metrics exporter (``install_metrics``) may listen on: it takes the first
 #: free one, so up to ten workers of one host each export on a port of their own.
 DEFAULT_METRICS_PORTS = (9808, 9817)
+#: How long after its publish (or its ETA) a journaled message may be re-published if its
+#: task is neither done nor claimed: far above the lease and the visibility timeout.
+DEFAULT_JOURNAL_RECOVER_AFTER_MS = 600_000
+#: How often a worker looks for journaled messages to recover (each queue it consumes).
+DEFAULT_JOURNAL_SCAN_INTERVAL_MS = 30_000
+#: Re-publishes of one journaled message before recovery gives it up (and says so).
+DEFAULT_JOURNAL_MAX_REPUBLISH = 3
 
 #: Renewals per lease when the renew interval is derived from it: the remaining lease of a
 #: running task stays above ``lease - 2 x interval``, half the lease with 4.
@@ -359,6 +369,15 @@ def _at_least_lease(value: int, values: Mapping[str, Any]) -> str | None:
     lease = values["claims_lease_ms"]
     if value < lease:
         return f"{value} ms must be at least claims_lease_ms ({lease} ms)"
+    return None
+
+
+def _below_done_ttl(value: int, values: Mapping[str, Any]) -> str | None:
+    # recovery tells a done task from a lost one by its completion record: an entry must be
+    # looked at while that record is still kept
+    ttl = values["claims_done_ttl_ms"]
+    if value >= ttl:
+        return f"{value} ms must be less than claims_done_ttl_ms ({ttl} ms)"
     return None
 
 
@@ -724,6 +743,58 @@ SETTINGS: tuple[Setting, ...] = (
         default_doc='`"9808-9817"`',
         option=str,
         option_help="Metrics exporter port, FIRST-LAST range, or 0 (any free).",
+    ),
+    Setting(
+        "claims_journal",
+        _bool,
+        True,
+        "Journal every published message in the claim store until its task is settled, so "
+        "a message lost between the broker and a worker (a worker killed after Redis' `BRPOP` "
+        "took it off the queue and before kombu recorded it in `unacked`) is re-published. "
+        "Producers journal (one round trip per publish, `install(app)` in the producer "
+        "process); workers clear entries of acked messages and recover the rest. Set it the "
+        "same on producers and workers. See docs/semantics.md, *The publish journal*.",
+        unit="bool",
+        option=bool,
+        option_help="Journal published messages and recover lost ones.",
+    ),
+    Setting(
+        "claims_journal_recover_after_ms",
+        _ms(1),
+        DEFAULT_JOURNAL_RECOVER_AFTER_MS,
+        "How long after its publish (or its ETA) a journaled message whose task is neither "
+        "done nor claimed is re-published. Keep it above the lease, the visibility timeout "
+        "and the longest a message waits in the queue (a copy re-published too early is a "
+        "duplicate: harmless, the claim gate skips or holds it, but it costs a delivery). "
+        "Less than `claims_done_ttl_ms`. Read by producers (the first recover time) and "
+        "workers (the next one).",
+        unit="ms",
+        default_doc="`600000` (10 min)",
+        needs=("claims_done_ttl_ms",),
+        check=_below_done_ttl,
+        option=int,
+        option_help="Re-publish a journaled message not done nor claimed after this, ms.",
+    ),
+    Setting(
+        "claims_journal_scan_interval_ms",
+        _ms(10),
+        DEFAULT_JOURNAL_SCAN_INTERVAL_MS,
+        "How often a worker looks for journaled messages to recover, in each queue it "
+        "consumes (a short per-queue lock makes it one worker per queue per period, whatever "
+        "the fleet's size; at most 100 messages per queue per look).",
+        unit="ms",
+        option=int,
+        option_help="Period of the journal recovery scan, ms.",
+    ),
+    Setting(
+        "claims_journal_max_republish",
+        _positive_int,
+        DEFAULT_JOURNAL_MAX_REPUBLISH,
+        "Re-publishes of one journaled message before recovery drops it with a warning (a "
+        "revoked or expired message Celery keeps dropping, a task no worker can decode).",
+        unit="times",
+        option=int,
+        option_help="Re-publishes of one journaled message before it is dropped.",
     ),
 )
 

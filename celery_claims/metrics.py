@@ -71,6 +71,22 @@ _WORKER_COUNTERS: tuple[tuple[str, str, str, dict[str, tuple[str, ...]]], ...] =
             "deferred": ("completion_deferred",),
         },
     ),
+    (
+        "celery_claims_journal",
+        "The publish journal: messages journaled by this process (written) or not "
+        "(write_failed: the publish went on unjournaled); entries this worker's recovery "
+        "re-published, dropped (given up after claims_journal_max_republish, expired or "
+        "unreadable), cleared (found done) or deferred (a live claim holds the task).",
+        "event",
+        {
+            "written": ("journal_written",),
+            "write_failed": ("journal_write_failed",),
+            "republished": ("journal_republished",),
+            "dropped": ("journal_dropped",),
+            "cleared": ("journal_cleared",),
+            "deferred": ("journal_deferred",),
+        },
+    ),
 )
 
 #: (metric, help, counter name) of the worker's unlabelled counters.
@@ -115,6 +131,10 @@ class WorkerCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """The metric families at this instant."""
         values: dict[str, int] = self.runtime.counters.snapshot()
+        # what this process published (its journal writes) is counted process-wide
+        publish = getattr(self.runtime, "publish_counters", None)
+        if publish is not None:
+            values.update(publish.snapshot())
         worker = str(self.runtime.hostname)
         for metric, doc, label, parts in _WORKER_COUNTERS:
             family = CounterMetricFamily(metric, doc, labels=["worker", label])

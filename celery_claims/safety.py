@@ -123,11 +123,21 @@ def check_settings(conf: Mapping[str, Any] | Any, *, pool: str | None = None) ->
 
     # read as the worker reads them: a renew interval not given follows the lease
     claims = resolve(
-        conf, keys=("claims_lease_ms", "claims_renew_interval_ms", "claims_refresh_unacked")
+        conf,
+        keys=(
+            "claims_lease_ms",
+            "claims_renew_interval_ms",
+            "claims_refresh_unacked",
+            "claims_journal",
+            "claims_journal_recover_after_ms",
+        ),
     )
     lease_ms = claims["claims_lease_ms"]
     renew_ms = claims["claims_renew_interval_ms"]
     refresh = claims["claims_refresh_unacked"]
+    recover_ms = claims["claims_journal_recover_after_ms"] if claims["claims_journal"] else None
+    if recover_ms is not None and recover_ms <= lease_ms:
+        findings.append(_early_recovery(recover_ms, "claims_lease_ms", lease_ms))
 
     if _broker_url(conf).startswith(_REDIS_BROKERS):
         options = conf.get("broker_transport_options", None) or {}
@@ -160,7 +170,17 @@ def check_settings(conf: Mapping[str, Any] | Any, *, pool: str | None = None) ->
                     f"claims_renew_interval_ms below {visibility_ms / 2:g} ms.",
                 )
             )
-        if visibility_ms > TAKEOVER_DELAY_RATIO * lease_ms:
+        long_visibility = visibility_ms > TAKEOVER_DELAY_RATIO * lease_ms
+        # a visibility timeout flagged as too long is the one fix: its finding says it
+        if (
+            recover_ms is not None
+            and lease_ms < recover_ms <= visibility_ms
+            and not long_visibility
+        ):
+            findings.append(
+                _early_recovery(recover_ms, "visibility_timeout", visibility_ms, unit="s")
+            )
+        if long_visibility:
             findings.append(
                 Finding(
                     "broker_transport_options.visibility_timeout",
@@ -283,6 +303,20 @@ def _pool_findings(pool: object, hard: float | None, soft: float | None) -> list
             )
         ]
     return []
+
+
+def _early_recovery(recover_ms: float, what: str, value_ms: float, unit: str = "ms") -> Finding:
+    shown = f"{value_ms / 1000:g} s" if unit == "s" else f"{value_ms:g} ms"
+    return Finding(
+        "claims_journal_recover_after_ms",
+        Severity.WARNING,
+        f"claims_journal_recover_after_ms ({recover_ms:g} ms) is not above {what} ({shown}): "
+        f"journal recovery re-publishes the message of a task whose holder died before the "
+        f"broker or the lease brings it back, so most crash takeovers run from a duplicate "
+        f"copy (the claim gate holds or skips the other, nothing runs twice, but every copy "
+        f"costs a delivery). Set claims_journal_recover_after_ms well above both (and above "
+        f"the longest a message waits in the queue), e.g. {max(value_ms * 10, 600_000):g}.",
+    )
 
 
 def _server(url: str) -> tuple[str, int | None] | None:

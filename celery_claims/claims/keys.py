@@ -139,3 +139,30 @@ class QueueKeys:
     def cleanup_keys(self) -> list[str]:
         """KEYS of cleanup.lua."""
         return [self.claims, self.stats, self.done, self.owners, self.sweep, *self.legacy_keys]
+
+    # --- the publish journal (celery_claims.claims.journal) --------------------------------
+
+    @cached_property
+    def journal(self) -> str:
+        """Hash: task id -> the journaled message (JSON envelope written by the producer)."""
+        return f"{self.tag}:j"
+
+    @cached_property
+    def journal_due(self) -> str:
+        """Sorted set: task id scored by the time (ms) after which recovery may act on it."""
+        return f"{self.tag}:jt"
+
+    @cached_property
+    def journal_republished(self) -> str:
+        """Hash: task id -> how many times recovery has re-published its message."""
+        return f"{self.tag}:jn"
+
+    @cached_property
+    def journal_lock(self) -> str:
+        """String: the worker scanning this queue's journal now (``SET NX PX``)."""
+        return f"{self.tag}:jl"
+
+    @cached_property
+    def journal_keys(self) -> list[str]:
+        """KEYS of journal_put.lua and journal_take.lua."""
+        return [self.journal, self.journal_due, self.journal_republished]

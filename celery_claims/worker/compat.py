@@ -33,10 +33,13 @@ __all__ = [
     "pool_name",
     "refresh_unacked",
     "restore_sweep",
+    "requeued",
     "result_ready",
     "shares_delivery_tags",
     "store_is_broker",
     "unwrap_exception",
+    "close_with",
+    "wrap_send_task",
 ]
 
 logger = get_logger("celery_claims.worker")
@@ -381,3 +384,51 @@ def unwrap_exception(exc: BaseException | None) -> BaseException | None:
     if type(exc).__name__ == "ExceptionWithTraceback" and isinstance(inner, BaseException):
         return inner
     return exc
+
+
+def requeued(request: Any) -> bool:
+    """True if Celery's handler handed the request's message back to the broker
+    (``reject(requeue=True)``): kombu's ``Message._state`` is ``REQUEUED`` then (``ACK`` or
+    ``REJECTED`` when the message is gone for good). Unknown means requeued: the journal entry
+    is then kept, which costs only its memory."""
+    state = getattr(getattr(request, "message", None), "_state", None)
+    return state not in ("ACK", "REJECTED")
+
+
+def wrap_send_task(app: Any, around: Callable[..., Any]) -> None:
+    """Route ``app.send_task`` through ``around(send_task, name, args, kwargs)`` (idempotent).
+
+    ``Celery.send_task`` is the one path every publish of an app takes (``apply_async``,
+    ``retry``, ``replace``, canvas, beat, ``celery call``), and ``Task.apply_async`` looks
+    it up on the app instance at call time, so an instance attribute catches them all. It
+    knows the app, which Celery's ``before_task_publish`` signal does not say. Read in
+    Celery 5.3 to 5.7 (``celery/app/base.py``, ``celery/app/task.py``).
+    """
+    if getattr(app.send_task, "_celery_claims_wrapped", False):
+        return
+    original = app.send_task
+
+    def send_task(*args: Any, **kwargs: Any) -> Any:
+        return around(original, args, kwargs)
+
+    send_task._celery_claims_wrapped = True  # type: ignore[attr-defined]
+    send_task.__doc__ = original.__doc__
+    app.send_task = send_task
+
+
+def close_with(app: Any, close: Callable[[], object]) -> None:
+    """Call ``close()`` when ``app.close()`` is called (before Celery's own close).
+
+    Celery has no signal for an app's close (``Celery.close`` only releases its broker
+    pool); an instance attribute is looked up first, as for :func:`wrap_send_task`. Read in
+    Celery 5.3 to 5.7.
+    """
+    original = app.close
+
+    def close_app(*args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(Exception):
+            close()
+        return original(*args, **kwargs)
+
+    close_app.__doc__ = original.__doc__
+    app.close = close_app

@@ -6,6 +6,7 @@ from typing import Any
 
 from celery_claims.observe import connect_journal, journal_connected
 from celery_claims.worker.guard import declare_request_key
+from celery_claims.worker.journal import connect_producer
 from celery_claims.worker.settings import add_worker_options
 from celery_claims.worker.steps import Gate, LeaseKeeper, Sweep
 from celery_claims.worker.tasks import connect_schedule, register_cleanup_task
@@ -24,7 +25,10 @@ def install(app: Any) -> Any:
     ``--claims-*`` worker options, the ``celery_claims.cleanup_expired`` task and its beat
     entry, and connects the journal of skipped copies
     (:func:`celery_claims.observe.connect_journal`, which writes only for copies that are
-    skipped, held by another worker or taken over). Idempotent. Settings are read and
+    skipped, held by another worker or taken over). In every process of the app, producers
+    included, each message it publishes is written to the claim store's publish journal
+    (:mod:`celery_claims.worker.journal`; ``claims_journal``), so a message lost between the
+    broker and a worker is re-published. Idempotent. Settings are read and
     validated when a worker starts, so ``install`` can run before the app is configured.
 
     Args:
@@ -47,6 +51,7 @@ def install(app: Any) -> Any:
     app.steps["consumer"].add(Sweep)
     add_worker_options(app)
     register_cleanup_task(app)
+    connect_producer(app)
     if not journal_connected():
         # keep options a user set with an earlier connect_journal(...) call
         connect_journal()

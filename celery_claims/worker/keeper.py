@@ -17,7 +17,9 @@ exactly while a long task needs its lease renewed. Each beat it:
    renewing copies running past their time limit (which not every pool enforces);
 5. with the Redis broker, refreshes the score of every claimed or held delivery in kombu's
    ``unacked_index``, so kombu does not restore a message whose holder is alive (a dead
-   holder stops refreshing, and its message is restored after ``visibility_timeout``).
+   holder stops refreshing, and its message is restored after ``visibility_timeout``);
+6. calls the publish journal's hook (:meth:`~celery_claims.worker.journal.WorkerJournal.beat`:
+   clears the entries of acked messages, starts a recovery scan when one is due).
 
 Between two beats the keeper also wakes for claims whose own lease (a per-task
 ``claims_lease_ms``) is too short for its period: such a claim is renewed every quarter of its
@@ -152,6 +154,8 @@ class Keeper:
             self.life.time_limit_passed(copy)
         if self.settings.refresh_unacked:
             self.refresh_deliveries()
+        if self.runtime.journal is not None:
+            self.runtime.journal.beat()
 
     def _renew(self, copies: list[Copy]) -> None:
         groups: dict[tuple[str, int], list[Copy]] = defaultdict(list)

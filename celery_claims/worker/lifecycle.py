@@ -49,6 +49,7 @@ from celery_claims.worker.compat import (
     BrokerRide,
     Delivery,
     forget_delivery,
+    requeued,
     result_ready,
 )
 from celery_claims.worker.failover import RecentCompletions
@@ -291,6 +292,9 @@ class Lifecycle:
         self.ride_acks = False
         #: wakes the lease keeper (set by it): a claim's lease is too short for its period
         self.wake_keeper: Callable[[], object] = lambda: None
+        #: told ``(queue_id, task_key)`` when a copy's message is acked for good (its publish
+        #: journal entry can go; set by the runtime)
+        self.on_settled: Callable[[str, str], object] = lambda queue_id, task_key: None
         self._riding: dict[Any, tuple[Copy, BrokerRide]] = {}
         #: completions recorded lately, written again after a Sentinel failover (failover.py)
         self.recent = RecentCompletions()
@@ -488,6 +492,7 @@ class Lifecycle:
         )
         # only the message goes: the result the first run stored stays as it is
         request.acknowledge()
+        self.on_settled(copy.queue_id, copy.task_key)
         task_ready(request)
         signals.task_skipped.send(
             sender=request.task,
@@ -596,6 +601,7 @@ class Lifecycle:
             self.recent.add(copy.token)
             self.counters.incr("completed")
             celery_handler()
+            self.on_settled(copy.queue_id, copy.task_key)
             return
         self._record(copy, "succeeded", celery_handler)
 
@@ -686,6 +692,7 @@ class Lifecycle:
         why = "rejected" if isinstance(exc, Reject) else f"failed ({type(exc).__name__})"
         self._release(copy, why)
         celery_handler()
+        self._settled_unless_requeued(copy)
 
     def timed_out(self, copy: Copy, soft: bool, celery_handler: Callable[[], object]) -> None:
         """A time limit fired (``on_timeout``); a hard one releases the claim."""
@@ -695,6 +702,14 @@ class Lifecycle:
         if copy.state in (State.QUEUED, State.RUNNING):
             self._release(copy, "hard time limit")
         self._repeat(copy, celery_handler)
+        if copy.state is State.RELEASED:
+            self._settled_unless_requeued(copy)
+
+    def _settled_unless_requeued(self, copy: Copy) -> None:
+        """An ended attempt's message is gone unless Celery's handler requeued it
+        (``Reject(requeue=True)``, ``task_reject_on_worker_lost``)."""
+        if not requeued(copy.request):
+            self.on_settled(copy.queue_id, copy.task_key)
 
     @staticmethod
     def _repeat(copy: Copy, celery_handler: Callable[[], object]) -> None:
@@ -924,6 +939,7 @@ class Lifecycle:
             copy.ride_tag = None
         self.recent.add(copy.token)
         self.counters.incr("completed")
+        self.on_settled(copy.queue_id, copy.task_key)
         logger.debug("Claim %s: %s, recorded done", copy.claim_id, why)
         ack, copy.deferred_ack = copy.deferred_ack, None
         if ack is not None:

@@ -8,6 +8,7 @@ from typing import Any
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import close as close_client
 from celery_claims.lanes.redis import RedisTaskClaimStore
+from celery_claims.worker.journal import PUBLISH_COUNTERS, WorkerJournal
 from celery_claims.worker.lanes import WorkerLanes
 from celery_claims.worker.lifecycle import Copy, Lifecycle
 from celery_claims.worker.settings import ClaimsSettings
@@ -58,6 +59,13 @@ class ClaimsRuntime:
         self.time_limits: tuple[float | None, float | None] = (None, None)
         #: the worker's pool, by Celery's name (``prefork``, ``threads``, ...), when known
         self.pool_name = ""
+        #: this process's producer counters (``journal_written``, ``journal_write_failed``)
+        self.publish_counters = PUBLISH_COUNTERS
+        #: the publish journal's clearing and recovery (``claims_journal``)
+        self.journal: WorkerJournal | None = None
+        if settings.journal:
+            self.journal = WorkerJournal(app, settings, self.manager, self.counters, hostname)
+            self.life.on_settled = self.journal.settled
 
     def live_claims(self) -> list[Copy]:
         """The copies whose claims are renewed right now."""
@@ -68,6 +76,9 @@ class ClaimsRuntime:
         return self.life.held()
 
     def close(self) -> None:
-        """Close the claim store connections (a later call would simply reconnect)."""
+        """Close the claim store connections (a later call would simply reconnect); the
+        journal's pending clears are written first."""
+        if self.journal is not None:
+            self.journal.close()
         with contextlib.suppress(Exception):
             close_client(self.manager.client)

@@ -22,6 +22,9 @@ from celery_claims.config import (
     DEFAULT_CLEANUP_LIMIT,
     DEFAULT_DONE_TTL_MS,
     DEFAULT_HELD_RECHECK_MS,
+    DEFAULT_JOURNAL_MAX_REPUBLISH,
+    DEFAULT_JOURNAL_RECOVER_AFTER_MS,
+    DEFAULT_JOURNAL_SCAN_INTERVAL_MS,
     DEFAULT_LANE_RECHECK_MS,
     DEFAULT_LEASE_MS,
     DEFAULT_MAX_TAKEOVERS,
@@ -103,6 +106,13 @@ class ClaimsSettings:
         metrics_port: (first, last) ports the worker's metrics exporter tries in turn,
             taking the first free one (``claims_metrics_port``: a port, ``"first-last"``, or
             0 for any free port); read by :func:`celery_claims.metrics.install_metrics`.
+        journal: journal published messages and recover lost ones (``claims_journal``).
+        journal_recover_after_ms: when a journaled message not done nor claimed is
+            re-published (``claims_journal_recover_after_ms``).
+        journal_scan_interval_ms: period of the recovery scan
+            (``claims_journal_scan_interval_ms``).
+        journal_max_republish: re-publishes of one message before it is dropped
+            (``claims_journal_max_republish``).
     """
 
     redis_url: str
@@ -125,6 +135,10 @@ class ClaimsSettings:
     start_timeout_ms: int = DEFAULT_START_TIMEOUT_MS
     max_takeovers: int | None = DEFAULT_MAX_TAKEOVERS
     metrics_port: tuple[int, int] = DEFAULT_METRICS_PORTS
+    journal: bool = True
+    journal_recover_after_ms: int = DEFAULT_JOURNAL_RECOVER_AFTER_MS
+    journal_scan_interval_ms: int = DEFAULT_JOURNAL_SCAN_INTERVAL_MS
+    journal_max_republish: int = DEFAULT_JOURNAL_MAX_REPUBLISH
 
     def renew_interval_for(self, lease_ms: int) -> int:
         """How often a claim of ``lease_ms`` is renewed, in ms.

@@ -22,6 +22,7 @@ from celery_claims.safety import Severity, check_settings
 from celery_claims.worker.compat import check_versions, pool_name, store_is_broker
 from celery_claims.worker.gate import ClaimGate
 from celery_claims.worker.guard import guard_tasks
+from celery_claims.worker.journal import connect_producer
 from celery_claims.worker.keeper import Keeper
 from celery_claims.worker.policy import check_task_policies
 from celery_claims.worker.runtime import ClaimsRuntime
@@ -116,6 +117,9 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
         self.runtime.life.ride_acks = store_is_broker(w.app, self.runtime.manager.client)
         # before the pool forks and the consumer builds its tracers, which capture task.run
         guard_tasks(w.app, settings, self.runtime.manager, ack_records=self.runtime.life.ride_acks)
+        # what the worker's tasks publish is journaled with the worker's settings (also before
+        # the fork, so every pool process inherits them)
+        connect_producer(w.app).configure(settings)
         w.claims = self.runtime
         super().__init__(w, **kwargs)
 

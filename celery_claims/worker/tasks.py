@@ -1,7 +1,10 @@
 """The beat task ``celery_claims.cleanup_expired``, modelled on ``celery.backend_cleanup``.
 
 Idempotent (removing an expired claim twice removes nothing the second time) and bounded per
-run by ``claims_cleanup_limit``, so one run never holds the claim store for long. Its schedule
+run by ``claims_cleanup_limit``, so one run never holds the claim store for long. With
+``claims_journal`` it also recovers the publish journal of every queue claims were ever taken
+in (:class:`~celery_claims.worker.journal.JournalRecovery`, under the same per-queue lock the
+workers take), so a queue whose workers are all gone still gets its lost messages back. Its schedule
 entry is added on ``app.on_after_finalize`` with ``setdefault``: ``celery beat`` finalizes the
 app after importing the user's module, so a ``beat_schedule`` assigned after ``install(app)``
 still gets the entry, and an entry the user defines under the same name wins.
@@ -13,7 +16,9 @@ from datetime import timedelta
 from typing import Any
 
 from celery_claims.config import resolve
+from celery_claims.worker.journal import JournalRecovery
 from celery_claims.worker.settings import load_settings
+from celery_claims.worker.signals import Counters
 from celery_claims.worker.store import new_manager
 
 __all__ = [
@@ -36,7 +41,13 @@ def register_cleanup_task(app: Any) -> Any:
         settings = load_settings(app)
         manager = new_manager(settings)
         try:
-            return manager.cleanup_expired(limit=settings.cleanup_limit if limit is None else limit)
+            removed = manager.cleanup_expired(
+                limit=settings.cleanup_limit if limit is None else limit
+            )
+            if settings.journal:
+                recovery = JournalRecovery(app, settings, manager, Counters(), CLEANUP_TASK_NAME)
+                recovery.scan(manager.known_queues())
+            return removed
         finally:
             manager.client.close()
 

@@ -20,6 +20,7 @@ from celery_claims.effects import apply_once, effect_key
 from celery_claims.fencing import fenced_update
 from celery_claims.worker import install
 from tests.chaos.ledger import Ledger
+from tests.chaos.soak import CHAOS_JOURNAL
 
 QUEUE = os.environ["CLAIMS_TEST_QUEUE"]
 PLUGIN = os.environ.get("CLAIMS_TEST_PLUGIN", "1") == "1"
@@ -38,6 +39,8 @@ app.conf.update(
     task_ignore_result=True,
     worker_prefetch_multiplier=1,
     claims_redis_url=os.environ["CHAOS_STORE"],
+    # the publish journal's settings, the same as the soak's producer
+    **CHAOS_JOURNAL,
 )
 if PLUGIN:
     install(app)

@@ -49,6 +49,12 @@ SKEW_DIR = Path(__file__).resolve().parent / "skew"
 #: death of the holder: with a worker killed every few seconds an ordinary task is sometimes
 #: taken over twice (seen: seed 11), so the soak allows a few.
 MAX_TAKEOVERS = 4
+#: The publish journal settings of the soak's producer and workers (app.py): recovery acts
+#: 15 s after a publish (the lease is 3 s, the visibility timeout 5 s) and looks every 2 s.
+CHAOS_JOURNAL = {
+    "claims_journal_recover_after_ms": 15_000,
+    "claims_journal_scan_interval_ms": 2_000,
+}
 #: Filler the claim store reloads slowly in the LOADING fault (about 4 s with the delay).
 FILLER_KEYS, FILLER_BYTES, LOAD_DELAY_US = 20_000, 2000, 200
 
@@ -367,7 +373,15 @@ class Soak:
             proc = self.slots[slot]
             assert proc is not None
             proc.wait_ready(timeout=60)
-        client = self.fleet.client(self.broker_url, self.store.url, self.queue)
+        # with claims, the producer journals what it publishes (so a message lost between
+        # the broker and a killed worker is re-published); the soak's journal settings
+        client = self.fleet.client(
+            self.broker_url,
+            self.store.url,
+            self.queue,
+            plugin=self.plugin,
+            conf={**CHAOS_JOURNAL, "claims_redis_url": self.store.url},
+        )
         durations = [
             self.rng.uniform(6, 9) if self.rng.random() < 0.03 else self.rng.uniform(0.1, 3)
             for _ in task_ids

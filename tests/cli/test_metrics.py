@@ -57,6 +57,14 @@ def test_each_worker_exports_its_claims_skips_holds_renewals_and_live_claims(
     assert total(scraped, "celery_claims_worker_held_copies") == 1
     # and the lease keeper renews live-1 every 500 ms
     assert total(scraped, "celery_claims_renewals_total") >= 1
+    # and the publish journal's recovery found nothing lost (each event is exported)
+    for event in ("written", "write_failed", "republished", "dropped", "cleared", "deferred"):
+        assert all(
+            ("celery_claims_journal_total", (("event", event), ("worker", worker))) in one
+            for one in scraped
+            for worker in {dict(labels).get("worker") for _, labels in one} - {None}
+        ), event
+    assert total(scraped, "celery_claims_journal_total", event="republished") == 0
     # each worker also exports the fleet-wide view of the claim store
     for one in scraped:
         assert one[("celery_claims_store_up", ())] == 1

@@ -68,6 +68,18 @@ def test_the_safe_baseline_has_no_finding() -> None:
             "Set result_backend_always_retry = True",
         ),
         (
+            {"claims_journal_recover_after_ms": 60_000},
+            "claims_journal_recover_after_ms",
+            Severity.WARNING,
+            "is not above claims_lease_ms (60000 ms)",
+        ),
+        (
+            {"claims_journal_recover_after_ms": 120_000},
+            "claims_journal_recover_after_ms",
+            Severity.WARNING,
+            "is not above visibility_timeout (180 s)",
+        ),
+        (
             {"worker_cancel_long_running_tasks_on_connection_loss": True},
             "worker_cancel_long_running_tasks_on_connection_loss",
             Severity.WARNING,

@@ -27,6 +27,7 @@ from celery import Celery
 from kombu.transport.redis import Channel as RedisChannel
 
 from celery_claims import RedisClaimManager
+from celery_claims.worker import install
 from tests.worker.helpers import (
     FAST_REDELIVERY,
     HELD_RECHECK_MS,
@@ -162,9 +163,18 @@ class Fleet:
         """Start ``celery ARGS...`` as a user types it (``-b``, ``-A`` and the sub-command)."""
         return self._spawn(name, args, env or {})
 
-    def client(self, broker: str, backend: str, queue: str) -> Celery:
-        """A producer app for this test (closed at cleanup)."""
-        app = client_app(broker, backend, queue)
+    def client(
+        self,
+        broker: str,
+        backend: str,
+        queue: str,
+        *,
+        plugin: bool = False,
+        conf: dict[str, Any] | None = None,
+    ) -> Celery:
+        """A producer app for this test (closed at cleanup); with ``plugin``, celery-claims is
+        installed on it (so it journals what it publishes) with ``conf`` added."""
+        app = client_app(broker, backend, queue, plugin=plugin, conf=conf)
         self._apps.append(app)
         return app
 
@@ -196,8 +206,19 @@ class Fleet:
                 client.close()
 
 
-def client_app(broker: str, backend: str, queue: str) -> Celery:
-    """The test's producer: sends the fleet's tasks by name and reads their results."""
+def client_app(
+    broker: str,
+    backend: str,
+    queue: str,
+    *,
+    plugin: bool = False,
+    conf: dict[str, Any] | None = None,
+) -> Celery:
+    """The test's producer: sends the fleet's tasks by name and reads their results.
+
+    With ``plugin`` it is a claims-aware producer (``install(app)``): it journals every message
+    it publishes, so a message lost between the broker and a worker is re-published.
+    """
     app = Celery("fleet-client", broker=broker, backend=backend, set_as_current=False)
     app.conf.update(
         broker_connection_retry_on_startup=True,
@@ -205,6 +226,9 @@ def client_app(broker: str, backend: str, queue: str) -> Celery:
         task_default_queue=queue,
         result_expires=None,
     )
+    app.conf.update(conf or {})
+    if plugin:
+        install(app)
     return app
 
 

@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from celery_claims import ClaimNotFound, RedisClaimManager, StaleClaimToken
+from celery_claims.claims.journal import RedisJournal
 from celery_claims.worker.identity import Attempt, claim_task_id
 from tests.servers import RedisServer
 from tests.worker.helpers import close_app, in_process_worker, make_app, wait_for
@@ -79,6 +80,8 @@ def test_claims_and_completions_ride_kombus_own_round_trips(
         return i
 
     shas = {name: script.sha for name, script in store.scripts.items()}
+    journal = RedisJournal(client=store.client, prefix=key_prefix)
+    shas |= {name: script.sha for name, script in journal.scripts.items()}
     try:
         with in_process_worker(app) as worker:
             counters = worker.claims.counters
@@ -95,7 +98,10 @@ def test_claims_and_completions_ride_kombus_own_round_trips(
     assert scripts[shas["claim"]] == TASKS
     assert scripts[shas["ack_done"]] == TASKS
     assert scripts[shas["release"]] == 0, "a completion was written on its own"
-    assert set(scripts) <= {shas["claim"], shas["ack_done"], shas["renew"]}
+    # the producer (this process) journals each message it publishes: one write per publish
+    assert scripts[shas["journal_put"]] == TASKS
+    allowed = {shas[name] for name in ("claim", "ack_done", "renew", "journal_put", "journal_take")}
+    assert set(scripts) <= allowed
     # each claim is sent inside kombu's transaction recording the delivery, not on its own
     by_client: dict[str, list[list[str]]] = {}
     for client_id, words in commands:

@@ -1,0 +1,22 @@
+-- Journal a published message (self-contained: not prefixed with _common.lua).
+-- KEYS[1] = journaled messages of the queue       ({q}:j)
+-- KEYS[2] = their recover times, ms               ({q}:jt)
+-- KEYS[3] = their re-publish counts               ({q}:jn)
+-- ARGV[1] = task id (the attempt's claim id)
+-- ARGV[2] = the message (JSON envelope)
+-- ARGV[3] = ms after the publish (or the ETA) before recovery may act
+-- ARGV[4] = the message's ETA in epoch ms, or '' for none
+-- returns: the recover time (epoch ms, the server's clock)
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local from = now
+-- an ETA task waits in a worker's memory until it is due: recovery counts from then
+if ARGV[4] ~= '' and tonumber(ARGV[4]) > now then
+  from = tonumber(ARGV[4])
+end
+local at = from + tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], string.format('%.0f', at), ARGV[1])
+-- a message published again under the same attempt starts its count again
+redis.call('HDEL', KEYS[3], ARGV[1])
+return at
