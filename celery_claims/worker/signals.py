@@ -64,9 +64,10 @@ class Counters:
     ``handed_back``, ``skipped_given_up``, ``time_limit_overruns`` (running copies whose claim
     stopped being renewed at their time limit), ``master_switches``, ``records_restored``,
     ``records_restore_lost`` (Sentinel failovers, ``failover.py``); the publish journal's
-    recovery counts ``journal_republished``, ``journal_dropped``, ``journal_cleared``, ``journal_deferred``
-    (its producer side counts ``journal_written`` and ``journal_write_failed`` in
-    :data:`celery_claims.worker.journal.PUBLISH_COUNTERS`, one per process).
+    recovery counts ``journal_republished``, ``journal_dropped``, ``journal_cleared``,
+    ``journal_deferred`` (its producer side counts ``journal_written`` and
+    ``journal_write_failed`` in :data:`celery_claims.worker.journal.PUBLISH_COUNTERS`, one per
+    process).
     """
 
     def __init__(self) -> None:
