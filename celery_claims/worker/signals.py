@@ -62,7 +62,8 @@ class Counters:
     recorded because the lease was lost), ``renewals``, ``renew_unavailable``,
     ``unacked_refreshed``, ``revoked_released``, ``reclaimed``, ``start_timeouts``,
     ``handed_back``, ``skipped_given_up``, ``time_limit_overruns`` (running copies whose claim
-    stopped being renewed at their time limit).
+    stopped being renewed at their time limit), ``journal_dropped`` (event journal entries
+    its writer dropped: queue full, or the store away too long).
     """
 
     def __init__(self) -> None:
