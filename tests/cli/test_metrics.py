@@ -57,6 +57,12 @@ def test_each_worker_exports_its_claims_skips_holds_renewals_and_live_claims(
     assert total(scraped, "celery_claims_worker_held_copies") == 1
     # and the lease keeper renews live-1 every 500 ms
     assert total(scraped, "celery_claims_renewals_total") >= 1
+    # and its event journal's writer dropped nothing (the store was up)
+    for one in scraped:
+        dropped = [
+            v for (sample, _), v in one.items() if sample == "celery_claims_journal_dropped_total"
+        ]
+        assert dropped == [0]
     # each worker also exports the fleet-wide view of the claim store
     for one in scraped:
         assert one[("celery_claims_store_up", ())] == 1

@@ -30,4 +30,3 @@ install(app)
 def claimed(value: int) -> int:
     """A claimed task: returns ``value``."""
     return value
-
