@@ -18,7 +18,6 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -27,12 +26,11 @@ from celery_claims.claims.keys import DEFAULT_PREFIX, require_prefix
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import close as close_client
 from celery_claims.connection import connect
+from celery_claims.connection import describe as safe_url
 from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
-from celery_claims.observe import (
-    ClaimView,
-    Journal,
-    JournalEvent,
-    LaneOccupancy,
+from celery_claims.observe import render
+from celery_claims.observe.journal import Journal
+from celery_claims.observe.views import (
     find_claims,
     lane_occupancy,
     list_views,
@@ -124,14 +122,6 @@ class Target:
             close_client(self._manager.client)
 
 
-def _safe_url(url: str) -> str:
-    # never print a password: keep scheme, host, port and db
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return url
-
-
 def _fail(message: str, code: int) -> NoReturn:
     click.echo(f"celery-claims: error: {' '.join(message.split())}", err=True)
     sys.exit(code)
@@ -143,10 +133,11 @@ def _errors(target: Target) -> Iterator[None]:
     try:
         yield
     except BackendUnavailable as exc:
-        where = target.redis_url or "the configured claim store"
-        # the URL is only known once resolved; an unresolvable one keeps the generic text
+        where = "the configured claim store"
+        # the URL is only known once resolved; an unresolvable one keeps the generic text.
+        # Never printed as given: kombu's sanitiser masks its password
         with suppress(Exception):
-            where = _safe_url(target.store()[0])
+            where = safe_url(target.store()[0])
         _fail(f"cannot reach the claim store at {where}: {exc.__cause__ or exc}", EXIT_UNAVAILABLE)
     except InvalidArgument as exc:
         _fail(str(exc), EXIT_UNAVAILABLE)
@@ -168,28 +159,6 @@ def _json_option(func: _F) -> _F:
 
 def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True))
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A plain text table, columns padded to their widest cell."""
-    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _utc(ms: int) -> str:
-    return (
-        datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-        + "Z"
-    )
-
-
-def _seconds(ms: int) -> str:
-    return f"{ms / 1000:.1f}s"
 
 
 def _load_app(name: str) -> Any:
@@ -249,24 +218,9 @@ def list_command(ctx: click.Context, queue: str | None, as_json: bool) -> None:
         journals = Journal(manager.client, manager.prefix).read_many(v.task_id for v in views)
         views = mark_waiting(views, journals)
     if as_json:
-        _emit_json({"now_ms": now, "queues": queues, "claims": [v.as_dict() for v in views]})
-        return
-    if not views:
-        where = f"queue {queue!r}" if queue else f"{len(queues)} known queue(s)"
-        click.echo(f"no live claims in {where}")
-        return
-    rows = [
-        (v.queue, v.task_id, v.attempt, _state(v), v.owner, v.instance, _seconds(v.remaining_ms))
-        for v in views
-    ]
-    headers = ("QUEUE", "TASK", "ATTEMPT", "STATE", "OWNER", "INSTANCE", "LEASE LEFT")
-    click.echo(_table(headers, rows))
-    waiting = sum(1 for v in views if v.state == "waiting")
-    click.echo(f"\n{len(views)} live claim(s), {waiting} of them waiting for a lane slot")
-
-
-def _state(view: ClaimView) -> str:
-    return f"waiting (lane {view.lane})" if view.state == "waiting" else view.state
+        _emit_json(render.list_json(now, queues, views))
+    else:
+        click.echo(render.list_text(queue, queues, views))
 
 
 @claims.command()
@@ -284,39 +238,9 @@ def stats(ctx: click.Context, as_json: bool) -> None:
             manager.client, manager.prefix, now_ms=now, limits=target.lane_limits()
         )
     if as_json:
-        _emit_json(
-            {
-                "queues": {
-                    q: {"live": live[q], **{k: getattr(s, k) for k in _STAT_FIELDS}}
-                    for q, s in per_queue.items()
-                },
-                "lanes": [lane.as_dict() for lane in lanes],
-            }
-        )
-        return
-    if per_queue:
-        rows = [
-            (q, live[q], *(getattr(s, k) for k in _STAT_FIELDS))
-            for q, s in sorted(per_queue.items())
-        ]
-        click.echo(_table(("QUEUE", "LIVE", *(k.upper() for k in _STAT_FIELDS)), rows))
+        _emit_json(render.stats_json(per_queue, live, lanes))
     else:
-        click.echo("no queue has been claimed in yet")
-    click.echo()
-    click.echo(_lanes_text(lanes))
-
-
-_STAT_FIELDS = ("attempts", "successes", "contentions", "takeovers", "acks", "expirations")
-
-
-def _lanes_text(lanes: Sequence[LaneOccupancy]) -> str:
-    if not lanes:
-        return "lanes: none in use"
-    rows = [
-        (lane.lane, lane.kind, lane.active, "-" if lane.limit is None else lane.limit, lane.waiting)
-        for lane in lanes
-    ]
-    return _table(("LANE", "KIND", "ACTIVE", "LIMIT", "WAITING"), rows)
+        click.echo(render.stats_text(per_queue, live, lanes))
 
 
 @claims.command()
@@ -333,86 +257,19 @@ def inspect(ctx: click.Context, task_id: str, queues: tuple[str, ...], as_json: 
         views = find_claims(manager, task_id, queues=list(queues) or None, now_ms=now)
         journal = Journal(manager.client, manager.prefix).read(task_id)
         views = mark_waiting(views, {task_id: journal})
+    found = bool(views or journal)
     if as_json:
-        _emit_json(
-            {
-                "task_id": task_id,
-                "now_ms": now,
-                "found": bool(views or journal),
-                "claims": [v.as_dict() for v in views],
-                "journal": [
-                    {**{k: getattr(e, k) for k in e.__slots__}, "text": e.describe()}
-                    for e in journal
-                ],
-            }
-        )
-        if not (views or journal):
+        _emit_json(render.inspect_json(task_id, now, views, journal))
+        if not found:
             sys.exit(EXIT_NOT_FOUND)
         return
-    if not (views or journal):
+    if not found:
         _fail(
             f"task {task_id!r} is unknown to the claim store: no claim, completion record or "
             f"journal (never claimed, claimed under another prefix, or its records expired)",
             EXIT_NOT_FOUND,
         )
-    click.echo(f"task {task_id}")
-    for view in views:
-        click.echo(_describe(view, now))
-    if not views:
-        click.echo(_without_claim(journal))
-    if journal:
-        click.echo("copies:")
-        for event in journal:
-            click.echo(f"  {_utc(event.at_ms)}  {event.describe()}")
-    else:
-        click.echo("copies: no copy was skipped or held (or the journal is not connected)")
-
-
-def _describe(view: ClaimView, now: int) -> str:
-    head = f"  queue {view.queue}, attempt {view.attempt}: "
-    if view.state == "done":
-        return (
-            head + f"DONE by {view.owner} (instance {view.instance}) at {_utc(view.since_ms)}; "
-            f"later copies are acked unrun until {_utc(view.until_ms)}"
-        )
-    if view.state == "given_up":
-        return (
-            head + f"GIVEN UP as poison at {_utc(view.since_ms)} (takeovers: {view.takeovers}, "
-            f"last holder whose lease ran out: {view.owner}); later copies are acked unrun "
-            f"until {_utc(view.until_ms)}"
-        )
-    if view.state == "waiting":
-        return (
-            head + f"WAITING for a slot of lane {view.lane} (claimed, not running yet), held by "
-            f"{view.owner} (instance {view.instance}) since {_utc(view.since_ms)}, lease until "
-            f"{_utc(view.until_ms)} ({_seconds(view.remaining_ms)} left)"
-        )
-    if view.state == "running":
-        return (
-            head + f"RUNNING, held by {view.owner} (instance {view.instance}) since "
-            f"{_utc(view.since_ms)}, lease until {_utc(view.until_ms)} "
-            f"({_seconds(view.remaining_ms)} left)"
-        )
-    return (
-        head + f"EXPIRED lease of {view.owner} (instance {view.instance}) "
-        f"{_seconds(now - view.until_ms)} ago; the next copy takes it over"
-    )
-
-
-def _without_claim(journal: Sequence[JournalEvent]) -> str:
-    """What the journal says of a task the store has no claim or record of."""
-    ended = [e for e in journal if e.event in ("released", "lease_lost", "skipped")]
-    last = ended[-1] if ended else None
-    if last is not None and last.event == "released":
-        return (
-            f"  no live claim and no completion record: the last attempt ended without success "
-            f"on {last.worker} at {_utc(last.at_ms)} ({last.reason}); its claim was released, "
-            f"so a later copy of it runs again (the result backend has the error)"
-        )
-    return (
-        "  no live claim and no completion record (finished and its record expired, or "
-        "released): the journal below is all that is known"
-    )
+    click.echo(render.inspect_text(task_id, now, views, journal))
 
 
 @claims.command()

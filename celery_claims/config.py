@@ -33,7 +33,7 @@ from types import MappingProxyType
 from typing import Any
 
 from celery_claims.claims.keys import DEFAULT_PREFIX, require_prefix
-from celery_claims.connection import SCHEMES
+from celery_claims.connection import SCHEMES, describe
 from celery_claims.errors import InvalidArgument
 
 __all__ = [
@@ -205,19 +205,12 @@ def _positive_seconds(key: str, value: Any) -> float:
     return float(value)
 
 
-def _scheme(url: object) -> str:
-    # never echo credentials from a URL into an error message
-    if isinstance(url, str) and "://" in url:
-        return url.split("://", 1)[0] + "://"
-    return repr(url)
-
-
 def _redis_url(key: str, value: Any) -> str:
     # the URL's own parts (host, TLS options, Sentinels) are checked with the client options
     # by celery_claims.connection.parse, once every setting is read
     if not isinstance(value, str) or not value.startswith(SCHEMES):
         raise InvalidArgument(
-            key, f"must be a URL starting with one of {', '.join(SCHEMES)}; got {_scheme(value)}..."
+            key, f"must be a URL starting with one of {', '.join(SCHEMES)}; got {describe(value)}"
         )
     return value
 
@@ -321,7 +314,7 @@ def _store_from_broker(values: Mapping[str, Any], conf: Any) -> str:
         return broker
     raise InvalidArgument(
         "claims_redis_url",
-        f"is required when the broker is not Redis (the broker is {_scheme(broker)}...); "
+        f"is required when the broker is not Redis (the broker is {describe(broker)}); "
         "set it in the configuration or pass --claims-redis-url",
     )
 

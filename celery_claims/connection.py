@@ -158,17 +158,29 @@ class StoreSpec:
 
 
 def describe(url: object) -> str:
-    """``url`` with every password masked (each part of a Sentinel list), for messages."""
+    """``url`` for messages and logs, its password masked by kombu's own sanitiser.
+
+    Each part of a Sentinel list is masked on its own (as Celery's Sentinel backend does in
+    ``as_uri``); kombu leaves out the query string, where redis-py also takes a password. A
+    URL kombu cannot parse is shown by its scheme only: never as given.
+    """
     if not isinstance(url, str):
         return repr(url)[:80]
+    # imported here, not at the top: the claim core imports neither Celery nor kombu, and
+    # only a message about a URL needs the sanitiser
+    from kombu.utils.url import maybe_sanitize_url
+
     parts = []
     for chunk in url.split(";"):
-        scheme, sep, rest = chunk.partition("://")
-        if sep and "@" in rest.split("/", 1)[0]:
-            userinfo, _, host = rest.partition("@")
-            user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
-            chunk = f"{scheme}://{user}:**@{host}" if user else f"{scheme}://:**@{host}"
-        parts.append(chunk)
+        scheme, sep, _ = chunk.partition("://")
+        if not sep:
+            # not a URL to kombu (left as it is): whatever precedes an "@" may be a password
+            parts.append(f"...@{chunk.rpartition('@')[2]}" if "@" in chunk else chunk)
+            continue
+        try:
+            parts.append(str(maybe_sanitize_url(chunk)))
+        except ValueError:
+            parts.append(f"{scheme}://...")
     return ";".join(parts)
 
 

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import ClaimError, InvalidArgument
-from celery_claims.observe import lane_occupancy, server_now_ms
+from celery_claims.observe.views import lane_occupancy, server_now_ms
 from celery_claims.worker.settings import parse_ports
 
 __all__ = [
@@ -106,6 +106,12 @@ _WORKER_SINGLE: tuple[tuple[str, str, str], ...] = (
         "fenced_success",
     ),
     ("celery_claims_held_rechecks", "Re-checks of held copies.", "rechecks"),
+    (
+        "celery_claims_events_dropped",
+        "Event journal entries dropped: its writer's queue was full, or the claim store stayed "
+        "away longer than its newest entries could be kept.",
+        "events_dropped",
+    ),
 )
 
 _STORE_FIELDS = ("attempts", "successes", "contentions", "takeovers", "acks", "expirations")

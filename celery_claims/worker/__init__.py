@@ -4,6 +4,7 @@ Only this subpackage imports Celery; the claim core does not.
 """
 
 from celery_claims.worker.consumer import ClaimsConsumerMixin
+from celery_claims.worker.event_journal import connect_journal, journal_connected
 from celery_claims.worker.guard import ClaimUnverified, StaleCopy, current_claim
 from celery_claims.worker.install import install
 from celery_claims.worker.lifecycle import Copy, State
@@ -24,6 +25,8 @@ __all__ = [
     # installation
     "install",
     "ClaimsConsumerMixin",
+    "connect_journal",
+    "journal_connected",
     # settings
     "ClaimsSettings",
     "LaneSpec",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_claims.observe import connect_journal, journal_connected
+from celery_claims.worker.event_journal import connect_journal, journal_connected
 from celery_claims.worker.guard import declare_request_key
 from celery_claims.worker.journal import connect_producer
 from celery_claims.worker.settings import add_worker_options
-from celery_claims.worker.steps import Gate, LeaseKeeper, Sweep
+from celery_claims.worker.steps import EventJournal, Gate, LeaseKeeper, Sweep
 from celery_claims.worker.tasks import connect_schedule, register_cleanup_task
 
 __all__ = ["install"]
@@ -20,16 +20,17 @@ _INSTALLED = "_celery_claims_installed"
 def install(app: Any) -> Any:
     """Make every worker of ``app`` claim each task before running it.
 
-    Adds the lease keeper (worker bootstep), the claim gate and, for pools without an event
-    loop, the Redis broker's restore sweep (consumer bootsteps), the
-    ``--claims-*`` worker options, the ``celery_claims.cleanup_expired`` task and its beat
-    entry, and connects the journal of skipped copies
-    (:func:`celery_claims.observe.connect_journal`, which writes only for copies that are
-    skipped, held by another worker or taken over). In every process of the app, producers
-    included, each message it publishes is written to the claim store's publish journal
+    Adds the lease keeper and the event journal's writer (worker bootsteps), the claim gate
+    and, for pools without an event loop, the Redis broker's restore sweep (consumer
+    bootsteps), the ``--claims-*`` worker options, the ``celery_claims.cleanup_expired`` task
+    and its beat entry, and connects the event journal of copies not run
+    (:func:`celery_claims.worker.connect_journal`: copies skipped or held, lane waits,
+    takeovers, lease losses and released claims, written from a thread of its own).
+    Idempotent. Settings are read and validated when a worker starts, so ``install`` can run
+    before the app is configured. In every process of the app, producers included, each
+    message it publishes is written to the claim store's publish journal
     (:mod:`celery_claims.worker.journal`; ``claims_journal``), so a message lost between the
-    broker and a worker is re-published. Idempotent. Settings are read and
-    validated when a worker starts, so ``install`` can run before the app is configured.
+    broker and a worker is re-published.
 
     Args:
         app: the Celery app.
@@ -47,6 +48,7 @@ def install(app: Any) -> Any:
     connect_schedule(app)
     declare_request_key()
     app.steps["worker"].add(LeaseKeeper)
+    app.steps["worker"].add(EventJournal)
     app.steps["consumer"].add(Gate)
     app.steps["consumer"].add(Sweep)
     add_worker_options(app)

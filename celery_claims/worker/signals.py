@@ -67,7 +67,8 @@ class Counters:
     recovery counts ``journal_republished``, ``journal_dropped``, ``journal_cleared``,
     ``journal_deferred`` (its producer side counts ``journal_written`` and
     ``journal_write_failed`` in :data:`celery_claims.worker.journal.PUBLISH_COUNTERS`, one per
-    process).
+    process); ``events_dropped`` (event journal entries its writer dropped: queue full, or the
+    store away too long).
     """
 
     def __init__(self) -> None:

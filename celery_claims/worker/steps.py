@@ -3,6 +3,8 @@
 - :class:`LeaseKeeper` (worker): reads and checks the settings, creates the worker's
   :class:`~celery_claims.worker.runtime.ClaimsRuntime` (``worker.claims``), guards the tasks'
   ``run`` and runs the :class:`~celery_claims.worker.keeper.Keeper` thread.
+- :class:`EventJournal` (worker): stops the event journal's writer at shutdown, after writing
+  what it holds for a bounded time (:func:`~celery_claims.worker.event_journal.stop_journal`).
 - :class:`Gate` (consumer): installs the :class:`~celery_claims.worker.gate.ClaimGate` in
   front of ``consumer.on_task_request``.
 - :class:`Sweep` (consumer): runs the Redis broker's restore sweep where kombu does not
@@ -20,6 +22,7 @@ from celery.utils.log import get_logger
 from celery_claims.errors import InvalidArgument
 from celery_claims.safety import Severity, check_settings
 from celery_claims.worker.compat import check_versions, pool_name, store_is_broker
+from celery_claims.worker.event_journal import stop_journal
 from celery_claims.worker.gate import ClaimGate
 from celery_claims.worker.guard import guard_tasks
 from celery_claims.worker.journal import connect_producer
@@ -30,7 +33,7 @@ from celery_claims.worker.settings import WORKER_OPTION_NAMES, SettingRefused, l
 from celery_claims.worker.store import check_store
 from celery_claims.worker.sweep import RestoreSweep
 
-__all__ = ["Gate", "LeaseKeeper", "Sweep", "check_unsafe_settings"]
+__all__ = ["EventJournal", "Gate", "LeaseKeeper", "Sweep", "check_unsafe_settings"]
 
 logger = get_logger("celery_claims.worker")
 
@@ -129,6 +132,28 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
 
     def stop(self, w: Any) -> None:
         self.keeper.stop()
+
+    terminate = stop
+    shutdown = stop
+
+
+class EventJournal(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
+    """Worker bootstep: at shutdown, writes what the event journal's writer still holds (for
+    a bounded time) and stops its thread.
+
+    The writer itself is bound when the worker is ready (``worker_ready``, in the main
+    process only). Celery may stop this step before the pool has finished its last tasks;
+    an event posted after that starts the writer again, and interpreter exit writes it.
+    """
+
+    label = "Claims event journal"
+    requires = ("celery.worker.components:Timer",)
+
+    def start(self, w: Any) -> None:
+        pass
+
+    def stop(self, w: Any) -> None:
+        stop_journal(w.app)
 
     terminate = stop
     shutdown = stop

@@ -1,0 +1,195 @@
+"""The event journal: what a worker decided about each copy of a task, kept per task id.
+
+The claim store answers "who holds this claim, until when, is it done". It does not remember
+the copies a worker did *not* run. The event journal does: a short, capped, expiring list per
+Celery task id of the claim gate's decisions about copies (skipped because done, held because
+another lease is live or the store was down, waiting for a slot of a full lane, taken over,
+lease lost, released after a failure). A worker writes it from a thread of its own
+(:class:`~celery_claims.observe.writer.JournalWriter`), never from its event loop;
+``celery claims inspect`` and ``celery claims list`` read it.
+
+(Not to be confused with a journal of *messages*: this one records decisions, for operators.)
+
+Key, for prefix ``P``: ``P:journal:{<escaped task id>}``, a list of JSON events, newest first,
+capped at :data:`JOURNAL_MAX_EVENTS` and expiring :data:`DEFAULT_JOURNAL_TTL_MS` after the last
+event. One key per task id, so it lives in one Redis Cluster slot.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from celery_claims.claims.keys import escape, require_prefix
+from celery_claims.claims.redis import RedisClient, translate_errors
+from celery_claims.errors import InvalidArgument
+from celery_claims.validation import require_id
+
+__all__ = [
+    "DEFAULT_JOURNAL_TTL_MS",
+    "JOURNAL_MAX_EVENTS",
+    "Journal",
+    "JournalEvent",
+    "journal_key",
+]
+
+#: Events kept per task id (the newest); a task redelivered more often than this is rare.
+JOURNAL_MAX_EVENTS = 50
+#: A journal expires this long after its last event (the default completion retention).
+DEFAULT_JOURNAL_TTL_MS = 24 * 3600 * 1000
+
+
+def journal_key(prefix: str, task_id: str) -> str:
+    """The journal list of Celery task ``task_id``.
+
+    Raises:
+        InvalidArgument: a bad prefix or task id.
+    """
+    return f"{require_prefix(prefix)}:journal:{{{escape(require_id('task_id', task_id))}}}"
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEvent:
+    """One decision of a claim gate about one copy of a task.
+
+    Attributes:
+        at_ms: epoch ms (the worker's clock) of the decision.
+        event: ``"skipped"`` (acked without running), ``"held"`` (kept unacked),
+            ``"waiting"`` (claimed, waiting for a slot of its full lane), ``"lane_slot"`` (got
+            the slot it waited for: to the pool), ``"took_over"`` (ran after another owner's
+            lease expired), ``"lease_lost"`` (fenced while running), ``"released"`` (the
+            attempt ended without success, its claim released: a later copy runs it again),
+            or ``"acquired"`` (ran; only with ``record_acquired``).
+        reason: for ``skipped``: ``"done"`` or ``"given_up"`` (a poison task); for ``held``:
+            ``"held"`` (another lease is live) or ``"unavailable"`` (the claim store was
+            down); for ``waiting`` and ``lane_slot``: the lane; for ``released``: why (e.g.
+            ``"failed (ValueError)"``, ``"revoked"``, ``"hard time limit"``); else empty.
+        worker: the worker's node name.
+        claim_id: ``queue/task:retries:nesting``.
+        other: the other party: the holder (``held``), the completing owner (``skipped``, or
+            the last holder when given up), the previous owner (``took_over``); empty if
+            unknown.
+        instance: the fencing number involved (0 if none).
+    """
+
+    at_ms: int
+    event: str
+    reason: str = ""
+    worker: str = ""
+    claim_id: str = ""
+    other: str = ""
+    instance: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (what the journal stores)."""
+        return asdict(self)
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class Journal:
+    """Writes and reads the per-task event journal in the claim store.
+
+    Every call is one pipelined round trip and blocks until the store answers: a worker
+    writes through a :class:`~celery_claims.observe.writer.JournalWriter` instead, whose
+    thread makes these calls.
+
+    Args:
+        client: the claim store's Redis client.
+        prefix: the claim key prefix.
+        ttl_ms: how long a journal is kept after its last event.
+        max_events: events kept per task.
+
+    Raises:
+        InvalidArgument: a bad prefix, ttl or cap.
+    """
+
+    def __init__(
+        self,
+        client: RedisClient,
+        prefix: str,
+        *,
+        ttl_ms: int = DEFAULT_JOURNAL_TTL_MS,
+        max_events: int = JOURNAL_MAX_EVENTS,
+    ) -> None:
+        self.client = client
+        self.prefix = require_prefix(prefix)
+        for name, value in (("ttl_ms", ttl_ms), ("max_events", max_events)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(name, f"must be a positive int, got {value!r:.80}")
+        self.ttl_ms = ttl_ms
+        self.max_events = max_events
+
+    def record(self, task_id: str, event: JournalEvent) -> None:
+        """Add ``event`` to the journal of ``task_id``.
+
+        Raises:
+            InvalidArgument: a bad task id or event.
+            BackendUnavailable: Redis cannot be reached.
+        """
+        self.record_many([(task_id, event)])
+
+    def record_many(self, events: Iterable[tuple[str, JournalEvent]]) -> None:
+        """Add each ``(task id, event)`` to its task's journal, in order, in one round trip.
+
+        Every pair is checked before anything is sent: a bad one writes nothing.
+
+        Raises:
+            InvalidArgument: a bad task id or event.
+            BackendUnavailable: Redis cannot be reached.
+        """
+        items = []
+        for task_id, event in events:
+            if not isinstance(event, JournalEvent):
+                raise InvalidArgument("event", f"must be a JournalEvent, got {event!r:.80}")
+            items.append((journal_key(self.prefix, task_id), event))
+        if not items:
+            return
+        with translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for key, event in items:
+                pipe.lpush(key, json.dumps(event.as_dict(), separators=(",", ":")))
+                pipe.ltrim(key, 0, self.max_events - 1)
+                pipe.pexpire(key, self.ttl_ms)
+            pipe.execute()
+
+    def read(self, task_id: str) -> list[JournalEvent]:
+        """The journal of ``task_id``, oldest first (entries this version cannot read are
+        skipped).
+
+        Raises:
+            InvalidArgument: a bad task id.
+            BackendUnavailable: Redis cannot be reached.
+        """
+        return self.read_many([task_id])[task_id]
+
+    def read_many(self, task_ids: Iterable[str]) -> dict[str, list[JournalEvent]]:
+        """The journals of ``task_ids``, oldest first, in one pipelined round trip.
+
+        Raises:
+            InvalidArgument: a bad task id.
+            BackendUnavailable: Redis cannot be reached.
+        """
+        ids = list(dict.fromkeys(task_ids))
+        keys = [journal_key(self.prefix, task_id) for task_id in ids]
+        if not keys:
+            return {}
+        with translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.lrange(key, 0, -1)
+            replies = pipe.execute()
+        journals: dict[str, list[JournalEvent]] = {}
+        for task_id, raw in zip(ids, replies, strict=True):
+            events = []
+            for item in reversed(raw):
+                try:
+                    events.append(JournalEvent(**json.loads(_text(item))))
+                except (ValueError, TypeError):
+                    continue
+            journals[task_id] = events
+        return journals

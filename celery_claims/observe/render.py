@@ -1,0 +1,283 @@
+"""Rendering: the text and JSON that ``celery claims`` prints of the reading views and journal.
+
+Pure functions of :mod:`celery_claims.observe.views` and :mod:`celery_claims.observe.journal`
+values: nothing here reads the store, so the CLI is command wiring only and every line an
+operator sees is spelled in this one module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from celery_claims.model import ClaimStats
+from celery_claims.observe.journal import JournalEvent
+from celery_claims.observe.views import ClaimView, LaneOccupancy
+
+__all__ = [
+    "STAT_FIELDS",
+    "claim_line",
+    "describe_views",
+    "event_text",
+    "inspect_json",
+    "inspect_text",
+    "lanes_text",
+    "list_json",
+    "list_text",
+    "seconds",
+    "stats_json",
+    "stats_text",
+    "table",
+    "utc",
+]
+
+#: The per-queue counters ``celery claims stats`` shows, in order.
+STAT_FIELDS = ("attempts", "successes", "contentions", "takeovers", "acks", "expirations")
+
+
+# --- building blocks ------------------------------------------------------------------------
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain text table, columns padded to their widest cell."""
+    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def utc(ms: int) -> str:
+    """Epoch ms as ``YYYY-MM-DD HH:MM:SS.mmmZ``."""
+    return (
+        datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        + "Z"
+    )
+
+
+def seconds(ms: int) -> str:
+    """A duration in ms as ``1.5s``."""
+    return f"{ms / 1000:.1f}s"
+
+
+# --- journal events -------------------------------------------------------------------------
+
+
+def event_text(event: JournalEvent) -> str:
+    """One line for humans of what a journal event says."""
+    if event.event == "skipped" and event.reason == "given_up":
+        return (
+            f"copy acked without running on {event.worker}: the task was given up as "
+            f"poison (taken over too often; last holder {event.other})"
+        )
+    if event.event == "skipped":
+        return (
+            f"copy acked without running on {event.worker}: already done by {event.other} "
+            f"(instance {event.instance})"
+        )
+    if event.event == "held" and event.reason == "unavailable":
+        return f"copy held unacked on {event.worker}: the claim store was unreachable"
+    if event.event == "held":
+        return f"copy held unacked on {event.worker}: lease held by {event.other or '?'}"
+    if event.event == "took_over":
+        previous = f" from {event.other}" if event.other else ""
+        return f"taken over by {event.worker}{previous} (instance {event.instance})"
+    if event.event == "lease_lost":
+        return f"lease lost on {event.worker} (instance {event.instance}): result fenced"
+    if event.event == "waiting":
+        return (
+            f"claimed on {event.worker} (instance {event.instance}), waiting for a slot of "
+            f"lane {event.reason} (full)"
+        )
+    if event.event == "lane_slot":
+        return (
+            f"got a slot of lane {event.reason} on {event.worker} (instance "
+            f"{event.instance}): handed to the pool"
+        )
+    if event.event == "released":
+        return (
+            f"ended without success on {event.worker}: {event.reason} (instance "
+            f"{event.instance}); claim released, a later copy runs it again"
+        )
+    return f"run by {event.worker} (instance {event.instance})"
+
+
+# --- claim views ----------------------------------------------------------------------------
+
+
+def describe_views(views: Iterable[ClaimView]) -> list[str]:
+    """One short line per view, for humans."""
+    lines = []
+    for v in views:
+        if v.state == "done":
+            lines.append(
+                f"{v.queue}: attempt {v.attempt} done by {v.owner} (instance {v.instance})"
+            )
+        elif v.state == "given_up":
+            lines.append(
+                f"{v.queue}: attempt {v.attempt} given up as poison (takeovers: {v.takeovers}, "
+                f"last holder {v.owner})"
+            )
+        elif v.state == "waiting":
+            lines.append(
+                f"{v.queue}: attempt {v.attempt} claimed by {v.owner} (instance {v.instance}), "
+                f"waiting for a slot of lane {v.lane}; lease {v.remaining_ms / 1000:.1f} s left"
+            )
+        elif v.state == "running":
+            lines.append(
+                f"{v.queue}: attempt {v.attempt} held by {v.owner} (instance {v.instance}), "
+                f"lease {v.remaining_ms / 1000:.1f} s left"
+            )
+        else:
+            lines.append(
+                f"{v.queue}: attempt {v.attempt} lease of {v.owner} expired "
+                f"(instance {v.instance}); the next copy takes it over"
+            )
+    return lines
+
+
+def claim_line(view: ClaimView, now_ms: int) -> str:
+    """The ``inspect`` line of one claim or record (indented, with times in UTC)."""
+    head = f"  queue {view.queue}, attempt {view.attempt}: "
+    if view.state == "done":
+        return (
+            head + f"DONE by {view.owner} (instance {view.instance}) at {utc(view.since_ms)}; "
+            f"later copies are acked unrun until {utc(view.until_ms)}"
+        )
+    if view.state == "given_up":
+        return (
+            head + f"GIVEN UP as poison at {utc(view.since_ms)} (takeovers: {view.takeovers}, "
+            f"last holder whose lease ran out: {view.owner}); later copies are acked unrun "
+            f"until {utc(view.until_ms)}"
+        )
+    if view.state == "waiting":
+        return (
+            head + f"WAITING for a slot of lane {view.lane} (claimed, not running yet), held by "
+            f"{view.owner} (instance {view.instance}) since {utc(view.since_ms)}, lease until "
+            f"{utc(view.until_ms)} ({seconds(view.remaining_ms)} left)"
+        )
+    if view.state == "running":
+        return (
+            head + f"RUNNING, held by {view.owner} (instance {view.instance}) since "
+            f"{utc(view.since_ms)}, lease until {utc(view.until_ms)} "
+            f"({seconds(view.remaining_ms)} left)"
+        )
+    return (
+        head + f"EXPIRED lease of {view.owner} (instance {view.instance}) "
+        f"{seconds(now_ms - view.until_ms)} ago; the next copy takes it over"
+    )
+
+
+def _state(view: ClaimView) -> str:
+    return f"waiting (lane {view.lane})" if view.state == "waiting" else view.state
+
+
+def _without_claim(journal: Sequence[JournalEvent]) -> str:
+    """What the journal says of a task the store has no claim or record of."""
+    ended = [e for e in journal if e.event in ("released", "lease_lost", "skipped")]
+    last = ended[-1] if ended else None
+    if last is not None and last.event == "released":
+        return (
+            f"  no live claim and no completion record: the last attempt ended without success "
+            f"on {last.worker} at {utc(last.at_ms)} ({last.reason}); its claim was released, "
+            f"so a later copy of it runs again (the result backend has the error)"
+        )
+    return (
+        "  no live claim and no completion record (finished and its record expired, or "
+        "released): the journal below is all that is known"
+    )
+
+
+# --- the commands' output -------------------------------------------------------------------
+
+
+def list_json(now_ms: int, queues: Sequence[str], views: Sequence[ClaimView]) -> dict[str, Any]:
+    """``claims list --json``."""
+    return {"now_ms": now_ms, "queues": list(queues), "claims": [v.as_dict() for v in views]}
+
+
+def list_text(queue: str | None, queues: Sequence[str], views: Sequence[ClaimView]) -> str:
+    """``claims list``: a table of the live claims and a count line."""
+    if not views:
+        where = f"queue {queue!r}" if queue else f"{len(queues)} known queue(s)"
+        return f"no live claims in {where}"
+    rows = [
+        (v.queue, v.task_id, v.attempt, _state(v), v.owner, v.instance, seconds(v.remaining_ms))
+        for v in views
+    ]
+    headers = ("QUEUE", "TASK", "ATTEMPT", "STATE", "OWNER", "INSTANCE", "LEASE LEFT")
+    waiting = sum(1 for v in views if v.state == "waiting")
+    return (
+        f"{table(headers, rows)}\n\n"
+        f"{len(views)} live claim(s), {waiting} of them waiting for a lane slot"
+    )
+
+
+def stats_json(
+    per_queue: Mapping[str, ClaimStats], live: Mapping[str, int], lanes: Sequence[LaneOccupancy]
+) -> dict[str, Any]:
+    """``claims stats --json``."""
+    return {
+        "queues": {
+            q: {"live": live[q], **{k: getattr(s, k) for k in STAT_FIELDS}}
+            for q, s in per_queue.items()
+        },
+        "lanes": [lane.as_dict() for lane in lanes],
+    }
+
+
+def lanes_text(lanes: Sequence[LaneOccupancy]) -> str:
+    """The lane occupancy table of ``claims stats``."""
+    if not lanes:
+        return "lanes: none in use"
+    rows = [
+        (lane.lane, lane.kind, lane.active, "-" if lane.limit is None else lane.limit, lane.waiting)
+        for lane in lanes
+    ]
+    return table(("LANE", "KIND", "ACTIVE", "LIMIT", "WAITING"), rows)
+
+
+def stats_text(
+    per_queue: Mapping[str, ClaimStats], live: Mapping[str, int], lanes: Sequence[LaneOccupancy]
+) -> str:
+    """``claims stats``: the per-queue counters and the lanes."""
+    if per_queue:
+        rows = [
+            (q, live[q], *(getattr(s, k) for k in STAT_FIELDS))
+            for q, s in sorted(per_queue.items())
+        ]
+        queues = table(("QUEUE", "LIVE", *(k.upper() for k in STAT_FIELDS)), rows)
+    else:
+        queues = "no queue has been claimed in yet"
+    return f"{queues}\n\n{lanes_text(lanes)}"
+
+
+def inspect_json(
+    task_id: str, now_ms: int, views: Sequence[ClaimView], journal: Sequence[JournalEvent]
+) -> dict[str, Any]:
+    """``claims inspect --json``: the claims and the journal, each event with its text."""
+    return {
+        "task_id": task_id,
+        "now_ms": now_ms,
+        "found": bool(views or journal),
+        "claims": [v.as_dict() for v in views],
+        "journal": [{**e.as_dict(), "text": event_text(e)} for e in journal],
+    }
+
+
+def inspect_text(
+    task_id: str, now_ms: int, views: Sequence[ClaimView], journal: Sequence[JournalEvent]
+) -> str:
+    """``claims inspect`` of a task the store or the journal knows."""
+    lines = [f"task {task_id}", *(claim_line(view, now_ms) for view in views)]
+    if not views:
+        lines.append(_without_claim(journal))
+    if journal:
+        lines.append("copies:")
+        lines += [f"  {utc(event.at_ms)}  {event_text(event)}" for event in journal]
+    else:
+        lines.append("copies: no copy was skipped or held (or the journal is not connected)")
+    return "\n".join(lines)

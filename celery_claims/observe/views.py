@@ -1,0 +1,355 @@
+"""Reading views: what ``celery claims list``, ``stats`` and ``inspect`` compute from the store.
+
+A claim or completion record of a Celery task becomes a :class:`ClaimView`; the lane store's
+``processing`` and ``due`` sets become :class:`LaneOccupancy`. A copy waiting for a slot of its
+full lane holds a live claim like a running one: :func:`mark_waiting` tells them apart with
+the event journal (:mod:`celery_claims.observe.journal`). Nothing here writes to the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from celery_claims.claims.keys import escape, require_prefix
+from celery_claims.claims.redis import (
+    RedisClaimManager,
+    RedisClient,
+    StoredTask,
+    translate_errors,
+)
+from celery_claims.model import GivenUp
+from celery_claims.observe.journal import JournalEvent
+from celery_claims.validation import require_id
+
+__all__ = [
+    "MAX_PROBED_NESTING",
+    "MAX_PROBED_RETRIES",
+    "ClaimView",
+    "LaneOccupancy",
+    "find_claims",
+    "lane_occupancy",
+    "list_views",
+    "mark_waiting",
+    "server_now_ms",
+]
+
+#: ``find_claims`` probes attempts ``<id>:0..N:0..M``: Celery's default ``max_retries`` is 3,
+#: and a task that retried more than this is found through ``list_claims`` anyway while live.
+MAX_PROBED_RETRIES = 31
+MAX_PROBED_NESTING = 3
+
+_UNESCAPES = (("%3A", ":"), ("%7B", "{"), ("%7D", "}"), ("%25", "%"))
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _unescape(part: str) -> str:
+    # the inverse of keys.escape: "%25" last, so "%253A" becomes "%3A", not ":"
+    for escaped, plain in _UNESCAPES:
+        part = part.replace(escaped, plain)
+    return part
+
+
+def server_now_ms(client: RedisClient) -> int:
+    """The Redis server's clock in epoch ms (the clock claims expire by).
+
+    Raises:
+        BackendUnavailable: Redis cannot be reached.
+    """
+    with translate_errors():
+        seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+# --- claims by Celery task id -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimView:
+    """One claim or completion record of a Celery task, as ``celery claims`` shows it.
+
+    Attributes:
+        queue: the queue the claim is in.
+        task_id: the Celery task id.
+        attempt: ``"<retries>.<replaced nesting>"`` (``"0.0"`` for the first attempt).
+        state: ``"running"`` (live lease), ``"waiting"`` (live lease, the copy waits for a
+            slot of its full lane: see :func:`mark_waiting`), ``"expired"`` (lease ran out,
+            not yet taken over or cleaned up), ``"done"`` (completion recorded) or
+            ``"given_up"`` (taken over too often: a poison task, never run again while the
+            record is kept).
+        owner: the execution attempt (``hostname/pid/nonce``) that holds or completed it; for
+            ``given_up``, the last one whose lease ran out.
+        instance: the fencing number (0 for ``given_up``: the record has none).
+        since_ms: epoch ms the claim was taken (``running``/``expired``), completed (``done``)
+            or given up (``given_up``).
+        until_ms: epoch ms the lease ends, or the record is kept until.
+        remaining_ms: lease left (``running``), else 0.
+        takeovers: for ``given_up``, the takeovers granted before it was given up, else 0.
+        lane: for ``waiting``, the lane it waits for, else empty.
+    """
+
+    queue: str
+    task_id: str
+    attempt: str
+    state: str
+    owner: str
+    instance: int
+    since_ms: int
+    until_ms: int
+    remaining_ms: int
+    takeovers: int = 0
+    lane: str = ""
+
+    @property
+    def claim_id(self) -> str:
+        """``queue/task:retries:nesting``, as the journal names the claim."""
+        retries, _, nesting = self.attempt.partition(".")
+        if not nesting:
+            return f"{self.queue}/{self.task_id}"
+        return f"{self.queue}/{self.task_id}:{retries}:{nesting}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return asdict(self)
+
+
+def _split_claim_id(claim_task_id: str) -> tuple[str, str]:
+    """``"<celery id>:<retries>:<nesting>"`` -> ``("<celery id>", "<retries>.<nesting>")``."""
+    head, sep, nesting = claim_task_id.rpartition(":")
+    task, sep2, retries = head.rpartition(":")
+    if sep and sep2 and retries.isdigit() and nesting.isdigit():
+        return task, f"{retries}.{nesting}"
+    return claim_task_id, "-"
+
+
+def _claim_view(queue: str, stored: StoredTask, now_ms: int) -> ClaimView | None:
+    token = stored.claim
+    if token is None:
+        return None
+    task_id, attempt = _split_claim_id(stored.task_id)
+    live = now_ms < token.expires_at
+    return ClaimView(
+        queue,
+        task_id,
+        attempt,
+        "running" if live else "expired",
+        token.owner,
+        token.instance,
+        token.created_at,
+        token.expires_at,
+        token.remaining_ms(now_ms),
+    )
+
+
+def _record_view(queue: str, stored: StoredTask, now_ms: int) -> ClaimView | None:
+    record = stored.record
+    # a completion record past its retention is gone for the gate: hide it here too
+    if record is None or stored.record_until_ms <= now_ms:
+        return None
+    task_id, attempt = _split_claim_id(stored.task_id)
+    if isinstance(record, GivenUp):
+        return ClaimView(
+            queue,
+            task_id,
+            attempt,
+            "given_up",
+            record.previous_owner,
+            0,
+            record.given_up_at,
+            stored.record_until_ms,
+            0,
+            record.takeovers,
+        )
+    return ClaimView(
+        queue,
+        task_id,
+        attempt,
+        "done",
+        record.owner,
+        record.instance,
+        record.done_at,
+        stored.record_until_ms,
+        0,
+    )
+
+
+def list_views(manager: RedisClaimManager, queue: str, now_ms: int) -> list[ClaimView]:
+    """The live claims of ``queue`` as views, soonest expiry first."""
+    views = [
+        ClaimView(
+            queue,
+            *_split_claim_id(token.task_id),
+            "running",
+            token.owner,
+            token.instance,
+            token.created_at,
+            token.expires_at,
+            token.remaining_ms(now_ms),
+        )
+        for token in manager.list_claims(queue)
+    ]
+    return sorted(views, key=lambda v: (v.until_ms, v.task_id))
+
+
+def find_claims(
+    manager: RedisClaimManager,
+    task_id: str,
+    *,
+    queues: Sequence[str] | None = None,
+    now_ms: int | None = None,
+) -> list[ClaimView]:
+    """Every claim and completion record of the Celery task ``task_id``, in every queue.
+
+    The claim store names a claim ``<task id>:<retries>:<nesting>`` (one per attempt), so this
+    reads the candidate names of each queue with one script call per queue, in one pipelined
+    round trip: no scan of the hashes.
+
+    Args:
+        manager: the claim store.
+        task_id: the Celery task id.
+        queues: where to look (default: every known queue).
+        now_ms: the time to judge leases by (default: the Redis server's clock).
+
+    Returns:
+        The views, by queue then attempt; empty if the store has nothing for the task.
+
+    Raises:
+        InvalidArgument: ``task_id`` is not a non-empty str.
+        BackendUnavailable: Redis cannot be reached.
+    """
+    require_id("task_id", task_id)
+    names = [
+        f"{task_id}:{retries}:{nesting}"
+        for retries in range(MAX_PROBED_RETRIES + 1)
+        for nesting in range(MAX_PROBED_NESTING + 1)
+    ]
+    queue_ids = list(manager.known_queues() if queues is None else queues)
+    now = server_now_ms(manager.client) if now_ms is None else now_ms
+    found = manager.execute_many([manager.read_call(queue, names) for queue in queue_ids])
+    views: list[ClaimView] = []
+    for queue, stored in zip(queue_ids, found, strict=True):
+        views += [v for s in stored if (v := _claim_view(queue, s, now)) is not None]
+        views += [v for s in stored if (v := _record_view(queue, s, now)) is not None]
+    return views
+
+
+def mark_waiting(
+    views: Iterable[ClaimView], journals: Mapping[str, Sequence[JournalEvent]]
+) -> list[ClaimView]:
+    """``views`` with every live claim whose copy waits for a lane slot marked ``"waiting"``.
+
+    A copy is claimed before it waits for its lane, so the claim store alone shows it as
+    running. The worker journals when a copy starts waiting for a full lane (``waiting``) and
+    when it gets its slot (``lane_slot``): a live claim whose latest such event, for the same
+    claim and fencing number, is ``waiting`` has not reached the pool.
+
+    Args:
+        views: claim views (any state; only ``running`` ones can change).
+        journals: task id -> its journal, oldest first
+            (:meth:`~celery_claims.observe.journal.Journal.read_many`).
+    """
+    marked = []
+    for view in views:
+        if view.state == "running":
+            last = None
+            for event in journals.get(view.task_id, ()):
+                if (
+                    event.event in ("waiting", "lane_slot")
+                    and event.claim_id == view.claim_id
+                    and event.instance == view.instance
+                ):
+                    last = event
+            if last is not None and last.event == "waiting":
+                view = replace(view, state="waiting", lane=last.reason)
+        marked.append(view)
+    return marked
+
+
+# --- lanes --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LaneOccupancy:
+    """How full one lane is, per kind, fleet-wide.
+
+    Attributes:
+        lane: the lane key.
+        kind: the task kind.
+        active: tasks processing with a live lease (using the lane's slots).
+        waiting: tasks pending or due for a retry.
+        limit: the lane's limit if known (from the configuration), else ``None``.
+    """
+
+    lane: str
+    kind: str
+    active: int
+    waiting: int
+    limit: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return asdict(self)
+
+
+def _lane_of_key(key: str, base: str) -> tuple[str, str] | None:
+    # "<prefix>:lane:{<lane>}:processing:<kind>"; escaped parts contain no "{", "}" or ":"
+    if not key.startswith(base):
+        return None
+    rest = key[len(base) :]
+    lane, sep, tail = rest.partition("}:processing:")
+    if not sep or ":" in tail:
+        return None
+    return _unescape(lane), _unescape(tail)
+
+
+def lane_occupancy(
+    client: RedisClient,
+    prefix: str,
+    *,
+    now_ms: int | None = None,
+    limits: Mapping[str, int] | None = None,
+) -> list[LaneOccupancy]:
+    """Occupancy of every lane of the Redis lane store under ``prefix``.
+
+    Lanes are found by a ``SCAN`` for their ``processing`` keys (an operator's read, not a hot
+    path; a lane that never processed a task has no such key yet and is not listed).
+
+    Args:
+        client: a Redis client.
+        prefix: the lane store's key prefix.
+        now_ms: the time leases are judged by (default: the Redis server's clock).
+        limits: lane key -> limit, to show next to the counts.
+
+    Returns:
+        One entry per (lane, kind), sorted.
+
+    Raises:
+        InvalidArgument: a bad prefix.
+        BackendUnavailable: Redis cannot be reached.
+    """
+    require_prefix(prefix)
+    base = f"{prefix}:lane:{{"
+    now = server_now_ms(client) if now_ms is None else now_ms
+    with translate_errors():
+        found = sorted(
+            {
+                parsed
+                for key in client.scan_iter(match=f"{base}*}}:processing:*", count=1000)
+                if (parsed := _lane_of_key(_text(key), base)) is not None
+            }
+        )
+        pipe = client.pipeline(transaction=False)
+        for lane, kind in found:
+            lane_base = f"{base}{escape(lane)}}}"
+            # lane scores are epoch microseconds; a lease is live while its expiry is after now
+            pipe.zcount(f"{lane_base}:processing:{escape(kind)}", f"({now * 1000}", "+inf")
+            pipe.zcard(f"{lane_base}:due:{escape(kind)}")
+        counts = pipe.execute() if found else []
+    return [
+        LaneOccupancy(lane, kind, int(active), int(waiting), (limits or {}).get(lane))
+        for (lane, kind), active, waiting in zip(found, counts[::2], counts[1::2], strict=True)
+    ]
