@@ -398,14 +398,19 @@ class JournalEvent:
             lease expired), ``"lease_lost"`` (fenced while running), ``"released"`` (the
             attempt ended without success, its claim released: a later copy runs it again),
             or ``"acquired"`` (ran; only with ``record_acquired``).
-        reason: for ``skipped``: ``"done"`` or ``"given_up"`` (a poison task); for ``held``:
+        reason: for ``skipped``: ``"done"`` or ``"given_up"`` (a poison task), and for a
+            keyed task (``claims_key``) ``"key_held"`` (another task id held the key: ``skip``
+            policy), ``"key_rescheduled"`` (published again for later), ``"key_done"`` (the
+            key was done by another task id within ``claims_key_done_ttl``) or
+            ``"key_refused"`` (no key could be made: recorded as failed); for ``held``:
             ``"held"`` (another lease is live) or ``"unavailable"`` (the claim store was
             down); for ``waiting`` and ``lane_slot``: the lane; for ``released``: why (e.g.
             ``"failed (ValueError)"``, ``"revoked"``, ``"hard time limit"``); else empty.
         worker: the worker's node name.
         claim_id: ``queue/task:retries:nesting``.
         other: the other party: the holder (``held``), the completing owner (``skipped``, or
-            the last holder when given up), the previous owner (``took_over``); empty if
+            the last holder when given up; for the ``key_*`` reasons the task id that held or
+            finished the key, or the refusal), the previous owner (``took_over``); empty if
             unknown.
         instance: the fencing number involved (0 if none).
     """
@@ -633,8 +638,17 @@ def _on_skipped(
     reason: str = "",
     claim_id: str = "",
     record: Any = None,
+    holder_task_id: str | None = None,
+    error: Any = None,
     **_: Any,
 ) -> None:
+    # a completion record names its owner, a given-up record the last holder; a keyed
+    # task's skip names the task id that held (or finished) the key, a refusal its error
+    other = str(getattr(record, "owner", "") or getattr(record, "previous_owner", "") or "")
+    if reason.startswith("key_") and holder_task_id:
+        other = holder_task_id
+    elif error is not None:
+        other = str(error)
     _write(
         request,
         JournalEvent(
@@ -643,8 +657,7 @@ def _on_skipped(
             reason,
             _hostname(request),
             claim_id,
-            # a completion record names its owner, a given-up record the last holder
-            str(getattr(record, "owner", "") or getattr(record, "previous_owner", "") or ""),
+            other,
             int(getattr(record, "instance", 0) or 0),
         ),
     )

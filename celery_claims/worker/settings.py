@@ -103,6 +103,10 @@ class ClaimsSettings:
         metrics_port: (first, last) ports the worker's metrics exporter tries in turn,
             taking the first free one (``claims_metrics_port``: a port, ``"first-last"``, or
             0 for any free port); read by :func:`celery_claims.metrics.install_metrics`.
+        key_conflict: what a keyed task's message does while its key is held
+            (``claims_key_conflict``: ``wait``, ``skip`` or ``reschedule``).
+        key_reschedule_max: most reschedules of one keyed message (``reschedule`` policy).
+        key_reschedule_s: countdown of a rescheduled keyed message.
     """
 
     redis_url: str
@@ -125,6 +129,9 @@ class ClaimsSettings:
     start_timeout_ms: int = DEFAULT_START_TIMEOUT_MS
     max_takeovers: int | None = DEFAULT_MAX_TAKEOVERS
     metrics_port: tuple[int, int] = DEFAULT_METRICS_PORTS
+    key_conflict: str = "wait"
+    key_reschedule_max: int = 3
+    key_reschedule_s: float = 5.0
 
     def renew_interval_for(self, lease_ms: int) -> int:
         """How often a claim of ``lease_ms`` is renewed, in ms.
