@@ -34,6 +34,7 @@ from celery_claims.observe import (
     JournalEvent,
     LaneOccupancy,
     find_claims,
+    find_key,
     lane_occupancy,
     list_views,
     mark_waiting,
@@ -255,11 +256,17 @@ def list_command(ctx: click.Context, queue: str | None, as_json: bool) -> None:
         where = f"queue {queue!r}" if queue else f"{len(queues)} known queue(s)"
         click.echo(f"no live claims in {where}")
         return
-    rows = [
+    rows: list[tuple[object, ...]] = [
         (v.queue, v.task_id, v.attempt, _state(v), v.owner, v.instance, _seconds(v.remaining_ms))
         for v in views
     ]
-    headers = ("QUEUE", "TASK", "ATTEMPT", "STATE", "OWNER", "INSTANCE", "LEASE LEFT")
+    headers: tuple[str, ...] = (
+        "QUEUE", "TASK", "ATTEMPT", "STATE", "OWNER", "INSTANCE", "LEASE LEFT"
+    )  # fmt: skip
+    if any(v.key for v in views):
+        # keyed tasks' claims (claims_key): the key, held by the task of the row
+        headers = (*headers, "KEY")
+        rows = [(*row, v.key or "-") for row, v in zip(rows, views, strict=True)]
     click.echo(_table(headers, rows))
     waiting = sum(1 for v in views if v.state == "waiting")
     click.echo(f"\n{len(views)} live claim(s), {waiting} of them waiting for a lane slot")
@@ -366,6 +373,31 @@ def inspect(ctx: click.Context, task_id: str, queues: tuple[str, ...], as_json: 
             click.echo(f"  {_utc(event.at_ms)}  {event.describe()}")
     else:
         click.echo("copies: no copy was skipped or held (or the journal is not connected)")
+
+
+@claims.command(name="key")
+@click.argument("key")
+@click.option("--queue", "queues", multiple=True, help="Look only in this queue (repeatable).")
+@_json_option
+@click.pass_context
+def key_command(ctx: click.Context, key: str, queues: tuple[str, ...], as_json: bool) -> None:
+    """Who holds KEY of keyed tasks (`<task or namespace>[<key>]`, as `list` shows it, e.g.
+    "tasks.sync['acme']"), until when, and whether it is kept done (claims_key_done_ttl)."""
+    target = _target(ctx)
+    with _errors(target):
+        manager = target.manager()
+        now = server_now_ms(manager.client)
+        views = find_key(manager, key, queues=list(queues) or None, now_ms=now)
+    if as_json:
+        _emit_json({"key": key, "now_ms": now, "claims": [v.as_dict() for v in views]})
+        if not views:
+            sys.exit(EXIT_NOT_FOUND)
+        return
+    if not views:
+        _fail(f"key {key!r} is free: no claim holds it and it is not kept done", EXIT_NOT_FOUND)
+    click.echo(f"key {key}")
+    for view in views:
+        click.echo(f"{_describe(view, now)} (task {view.task_id})")
 
 
 def _describe(view: ClaimView, now: int) -> str:

@@ -5,6 +5,8 @@ done for a while, and messages whose key cannot be made."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -73,6 +75,17 @@ def skips(url: str, task_id: str, count: int = 1) -> list[Any]:
     return read()
 
 
+def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The standalone ``celery-claims`` command on the fleet's store."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery_claims.cli", "--redis-url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def test_fifty_tasks_for_five_customers_never_run_one_customer_twice_at_once(
     private_redis: RedisServer, fleet: Fleet
 ) -> None:
@@ -123,6 +136,14 @@ def test_skip_acks_a_second_customer_task_without_running_it_and_names_the_holde
     client = fleet.client(url, url, queue)
     holder = client.send_task("keyed.skip", ("c1",), {"seconds": 4}, task_id="skip-holder")
     wait_for(lambda: started(url, queue, "skip-holder"), timeout=20, what="the holder's start")
+    # (the CLI names the key's holder while it runs)
+    shown = cli(url, "key", "keyed.skip['c1']")
+    assert shown.returncode == 0, shown.stderr
+    assert "RUNNING" in shown.stdout
+    assert "(task skip-holder)" in shown.stdout
+    listed = cli(url, "list", queue)
+    assert "keyed.skip['c1']" in listed.stdout
+    assert "skip-holder" in listed.stdout
 
     # When two more tasks for c1, a duplicate of the holder's own message, and a task for c2
     # arrive meanwhile
@@ -147,7 +168,8 @@ def test_skip_acks_a_second_customer_task_without_running_it_and_names_the_holde
     assert [(e.reason, e.other) for e in duplicate] == [("done", duplicate[0].other)]
     assert len(started(url, queue, "skip-holder")) == 1
     assert holder.state == "SUCCESS"
-    # and nothing is left behind in the broker
+    # and the key is free again, nothing is left behind in the broker
+    assert cli(url, "key", "keyed.skip['c1']").returncode == 1
     plain = fleet.redis(url)
     assert plain.llen(queue) == 0
     wait_for(lambda: plain.hlen("unacked") == 0, timeout=10, what="no unacked delivery")
