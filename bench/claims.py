@@ -7,6 +7,10 @@ Each round times, on one connection, N cycles of:
   the floor for any "take then give back" protocol (2 round trips a cycle);
 - ``redis-lock``: redis-py's ``Lock`` acquire + release (also Lua, also 2 round trips);
 - ``claims``: ``claim`` + ``complete`` (2 round trips, plus fencing, stats, done record);
+- ``gate`` and ``keyed``: what the worker's gate does for a plain task (``claim_unless_done``
+  on the task id, then ``complete``) and for a keyed one (the same on a key of 50, its owner
+  naming the attempt: the record goes to the attempt). Both 2 round trips; the ratio is the
+  keyed claim's extra script work;
 - ``renew``: renewing N live claims one ``extend`` each vs one batched ``renew`` per 100.
 Ratios are printed per round against ``lua-ref``; the median over rounds is the summary.
 """
@@ -27,6 +31,7 @@ from contextlib import contextmanager
 import redis
 
 from celery_claims import RedisClaimManager
+from celery_claims.claims.keys import keyed_owner
 
 LOCK_SCRIPT = "return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])"
 UNLOCK_SCRIPT = """
@@ -96,10 +101,25 @@ def run_round(port: int, ops: int) -> dict[str, float]:
         assert token is not None
         claims.complete(token, 60_000)
 
+    owner = f"w@host/{run}/abcd1234."
+
+    def gate(i: int) -> None:
+        token = claims.claim_unless_done("gate", f"t{i}:0:0", f"{owner}{i:x}", 30_000).token
+        assert token is not None
+        claims.complete(token, 60_000)
+
+    def keyed(i: int) -> None:
+        attempt = keyed_owner(f"{owner}{i:x}", f"t{i}:0:0", 0)
+        token = claims.claim_unless_done("keyed", f"sync[{i % 50}]", attempt, 30_000).token
+        assert token is not None
+        claims.complete(token, 60_000)
+
     results = {
         "lua-ref": timed(ops, lua_ref),
         "redis-lock": timed(ops, redis_lock),
         "claims": timed(ops, claim_complete),
+        "gate": timed(ops, gate),
+        "keyed": timed(ops, keyed),
     }
 
     live = [claims.claim("renew", f"r{i}", "worker", 60_000).token for i in range(ops)]
@@ -122,7 +142,10 @@ def main() -> None:
     )
     parser.add_argument("--ops", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="1 round of 500 cycles")
     args = parser.parse_args()
+    if args.quick:
+        args.ops, args.rounds = 500, 1
     rounds: list[dict[str, float]] = []
     with private_redis() as port:
         for n in range(1, args.rounds + 1):
@@ -133,7 +156,9 @@ def main() -> None:
                 f"({r['lua-ref'] / r['redis-lock']:.2f}x ref time)  claims {r['claims']:8.0f}/s "
                 f"({r['lua-ref'] / r['claims']:.2f}x ref time)  renew: extend-each "
                 f"{r['extend-each']:8.0f}/s, batched {r['renew-batched']:8.0f}/s "
-                f"({r['renew-batched'] / r['extend-each']:.1f}x faster)"
+                f"({r['renew-batched'] / r['extend-each']:.1f}x faster)  keyed "
+                f"{r['keyed']:8.0f}/s vs gate {r['gate']:8.0f}/s "
+                f"({r['gate'] / r['keyed']:.2f}x gate time)"
             )
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(
@@ -142,6 +167,9 @@ def main() -> None:
         f"\n  lua-ref     1.00x  ({med['lua-ref']:.0f} cycles/s)"
         f"\n  redis-lock  {med['lua-ref'] / med['redis-lock']:.2f}x  ({med['redis-lock']:.0f}/s)"
         f"\n  claims      {med['lua-ref'] / med['claims']:.2f}x  ({med['claims']:.0f}/s)"
+        f"\n  gate        {med['lua-ref'] / med['gate']:.2f}x  ({med['gate']:.0f}/s)"
+        f"\n  keyed       {med['lua-ref'] / med['keyed']:.2f}x  ({med['keyed']:.0f}/s; "
+        f"{med['gate'] / med['keyed']:.2f}x the gate's plain claim)"
         f"\n  renewals: batched renew {med['renew-batched']:.0f} claims/s vs extend each "
         f"{med['extend-each']:.0f}/s ({med['renew-batched'] / med['extend-each']:.1f}x)"
     )

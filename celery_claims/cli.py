@@ -32,6 +32,7 @@ from celery_claims.observe import render
 from celery_claims.observe.journal import Journal
 from celery_claims.observe.views import (
     find_claims,
+    find_key,
     lane_occupancy,
     list_views,
     mark_waiting,
@@ -270,6 +271,29 @@ def inspect(ctx: click.Context, task_id: str, queues: tuple[str, ...], as_json: 
             EXIT_NOT_FOUND,
         )
     click.echo(render.inspect_text(task_id, now, views, journal))
+
+
+@claims.command(name="key")
+@click.argument("key")
+@click.option("--queue", "queues", multiple=True, help="Look only in this queue (repeatable).")
+@_json_option
+@click.pass_context
+def key_command(ctx: click.Context, key: str, queues: tuple[str, ...], as_json: bool) -> None:
+    """Who holds KEY of keyed tasks (`<task or namespace>[<key>]`, as `list` shows it, e.g.
+    "tasks.sync['acme']"), until when, and whether it is kept done (claims_key_done_ttl)."""
+    target = _target(ctx)
+    with _errors(target):
+        manager = target.manager()
+        now = server_now_ms(manager.client)
+        views = find_key(manager, key, queues=list(queues) or None, now_ms=now)
+    if as_json:
+        _emit_json(render.key_json(key, now, views))
+        if not views:
+            sys.exit(EXIT_NOT_FOUND)
+        return
+    if not views:
+        _fail(f"key {key!r} is free: no claim holds it and it is not kept done", EXIT_NOT_FOUND)
+    click.echo(render.key_text(key, now, views))
 
 
 @claims.command()

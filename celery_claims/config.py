@@ -205,6 +205,35 @@ def _positive_seconds(key: str, value: Any) -> float:
     return float(value)
 
 
+#: The conflict policies of keyed claims (``claims_key_conflict``).
+KEY_CONFLICTS = ("wait", "skip", "reschedule")
+#: Most reschedules ``claims_key_reschedule_max`` may allow.
+_MAX_KEY_RESCHEDULES = 1000
+#: Longest countdown of a rescheduled keyed copy, in seconds.
+_MAX_KEY_RESCHEDULE_S = 24 * 3600
+
+
+def _key_conflict(key: str, value: Any) -> str:
+    if value not in KEY_CONFLICTS:
+        raise InvalidArgument(key, f"must be one of {KEY_CONFLICTS}, got {value!r:.80}")
+    return str(value)
+
+
+def _key_reschedule_max(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(key, f"must be an int, got {value!r:.80}")
+    if not 0 <= value <= _MAX_KEY_RESCHEDULES:
+        raise InvalidArgument(key, f"must be between 0 and {_MAX_KEY_RESCHEDULES}, got {value}")
+    return value
+
+
+def _key_reschedule_s(key: str, value: Any) -> float:
+    seconds = _positive_seconds(key, value)
+    if seconds > _MAX_KEY_RESCHEDULE_S:
+        raise InvalidArgument(key, f"must be at most {_MAX_KEY_RESCHEDULE_S} s, got {value!r}")
+    return seconds
+
+
 def _redis_url(key: str, value: Any) -> str:
     # the URL's own parts (host, TLS options, Sentinels) are checked with the client options
     # by celery_claims.connection.parse, once every setting is read
@@ -722,6 +751,38 @@ SETTINGS: tuple[Setting, ...] = (
         nullable=True,
         option=int,
         option_help="Takeovers of one attempt before it is given up (-1: never).",
+    ),
+    Setting(
+        "claims_key_conflict",
+        _key_conflict,
+        "wait",
+        "What a message of a keyed task (`claims_key`) does while another task holds its key: "
+        "`wait` (held unacked and re-checked every `claims_held_recheck_ms`), `skip` (acked "
+        "without running, journaled as skipped with the holder's task id) or `reschedule` "
+        "(published again with a `claims_key_reschedule_s` countdown, at most "
+        "`claims_key_reschedule_max` times, then `wait`). A copy of the holder's own task id "
+        "always waits. The default of the task attribute of the same name (docs/celery.md, "
+        "*Keyed claims*).",
+        unit="`wait`, `skip` or `reschedule`",
+        default_doc="`wait`",
+        option=str,
+        option_help="Default conflict policy of keyed tasks: wait, skip or reschedule.",
+    ),
+    Setting(
+        "claims_key_reschedule_max",
+        _key_reschedule_max,
+        3,
+        "Most times one message of a keyed task with the `reschedule` policy is published "
+        "again while its key is held; after that it waits. Default of the task attribute.",
+        unit="count",
+    ),
+    Setting(
+        "claims_key_reschedule_s",
+        _key_reschedule_s,
+        5.0,
+        "Countdown of a keyed message published again because its key is held "
+        "(`reschedule` policy). Default of the task attribute.",
+        unit="s",
     ),
     Setting(
         "claims_metrics_port",

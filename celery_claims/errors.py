@@ -23,6 +23,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidValueError",
     "IoError",
+    "KeyRefused",
     "LeaseLost",
     "LeaseRenewalTimedOut",
     "NotClaimOwner",
@@ -46,6 +47,28 @@ class InvalidArgument(ClaimError, ValueError):
     def __init__(self, name: str, message: str) -> None:
         super().__init__(f"{name}: {message}")
         self.name = name
+
+
+class KeyRefused(InvalidArgument):
+    """A message's claim key cannot be made from its arguments (a keyed task, ``claims_key``).
+
+    The worker records the task as failed with this error and acknowledges the message, as
+    Celery fails a task whose arguments do not bind: it is never run unkeyed, nor lost.
+
+    Attributes:
+        name: ``<task name>.claims_key``.
+        task_name: the task.
+    """
+
+    def __init__(self, task_name: str, message: str) -> None:
+        super().__init__(f"{task_name}.claims_key", message)
+        self.task_name = task_name
+        self.message = message
+        # a result backend stores ``args`` and rebuilds the error with ``cls(*args)``
+        self.args = (task_name, message)
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.message}"
 
 
 class BackendError(ClaimError):

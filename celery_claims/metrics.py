@@ -56,9 +56,20 @@ _WORKER_COUNTERS: tuple[tuple[str, str, str, dict[str, tuple[str, ...]]], ...] =
     (
         "celery_claims_skipped_copies",
         "Copies not run when delivered: done (acked unrun), held (another worker's lease is "
-        "live; kept unacked), unavailable (claim store down; kept unacked).",
+        "live; kept unacked), unavailable (claim store down; kept unacked); for keyed tasks "
+        "(claims_key) key_held (another task id held the key: skip policy, acked unrun), "
+        "key_rescheduled (published again for later), key_done (the key was kept done by "
+        "claims_key_done_ttl), key_refused (no key could be made: recorded failed).",
         "reason",
-        {"done": ("skipped_done",), "held": ("held",), "unavailable": ("held_unavailable",)},
+        {
+            "done": ("skipped_done",),
+            "held": ("held",),
+            "unavailable": ("held_unavailable",),
+            "key_held": ("skipped_key_held",),
+            "key_rescheduled": ("rescheduled_key_held",),
+            "key_done": ("skipped_key_done",),
+            "key_refused": ("refused_key",),
+        },
     ),
     (
         "celery_claims_completions",

@@ -11,12 +11,23 @@ hash tag nor collide with another queue's keys (the escape is injective).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
+from urllib.parse import unquote
 
 from celery_claims.errors import InvalidArgument
 
-__all__ = ["DEFAULT_PREFIX", "QueueKeys", "escape", "queues_key", "require_prefix"]
+__all__ = [
+    "DEFAULT_PREFIX",
+    "QueueKeys",
+    "escape",
+    "keyed_owner",
+    "owner_key_ttl_ms",
+    "owner_task_key",
+    "queues_key",
+    "require_prefix",
+]
 
 #: Prefix of every key written by the claim store.
 DEFAULT_PREFIX = "claims"
@@ -27,6 +38,37 @@ _ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D", ":": "%3A"})
 def escape(identifier: str) -> str:
     """Make ``identifier`` safe to embed in a key and inside a hash tag."""
     return identifier.translate(_ESCAPES)
+
+
+#: What a keyed claim's owner escapes in the attempt it names: nothing in it may end the
+#: owner's head (``/``, ``.``) or the suffix (``~``).
+_OWNER_ESCAPES = str.maketrans({"%": "%25", "~": "%7E", ".": "%2E", "/": "%2F"})
+_KEYED_OWNER = re.compile(r"~k([^~]*)~(\d+)\Z")
+
+
+def keyed_owner(owner: str, task_key: str, key_ttl_ms: int) -> str:
+    """The owner of a claim held on a business key by the attempt ``task_key``.
+
+    ``<owner>~k<escaped task key>~<key_ttl_ms>``: the claim store (``lua/_common.lua``,
+    ``keyed_owner``) writes the completion record of such a claim under ``task_key`` instead
+    of the key's field, and with ``key_ttl_ms`` > 0 a second record under the key, kept that
+    long. The escape keeps ``/`` and ``.`` out of the suffix, so the owner's head (the worker
+    process, written once per queue) is the plain owner's.
+    """
+    return f"{owner}~k{task_key.translate(_OWNER_ESCAPES)}~{int(key_ttl_ms)}"
+
+
+def owner_task_key(owner: str) -> str | None:
+    """The attempt (``<task id>:<retries>:<nesting>``) a keyed claim's owner names, or None
+    for a plain owner."""
+    found = _KEYED_OWNER.search(owner)
+    return None if found is None else unquote(found.group(1))
+
+
+def owner_key_ttl_ms(owner: str) -> int:
+    """The key retention a keyed claim's owner carries (0 for none, or a plain owner)."""
+    found = _KEYED_OWNER.search(owner)
+    return 0 if found is None else int(found.group(2))
 
 
 def require_prefix(prefix: object) -> str:

@@ -204,11 +204,17 @@ def list_text(queue: str | None, queues: Sequence[str], views: Sequence[ClaimVie
     if not views:
         where = f"queue {queue!r}" if queue else f"{len(queues)} known queue(s)"
         return f"no live claims in {where}"
-    rows = [
+    rows: list[tuple[object, ...]] = [
         (v.queue, v.task_id, v.attempt, _state(v), v.owner, v.instance, seconds(v.remaining_ms))
         for v in views
     ]
-    headers = ("QUEUE", "TASK", "ATTEMPT", "STATE", "OWNER", "INSTANCE", "LEASE LEFT")
+    headers: tuple[str, ...] = (
+        "QUEUE", "TASK", "ATTEMPT", "STATE", "OWNER", "INSTANCE", "LEASE LEFT"
+    )  # fmt: skip
+    if any(v.key for v in views):
+        # keyed tasks' claims (claims_key): the key, held by the task of the row
+        headers = (*headers, "KEY")
+        rows = [(*row, v.key or "-") for row, v in zip(rows, views, strict=True)]
     waiting = sum(1 for v in views if v.state == "waiting")
     return (
         f"{table(headers, rows)}\n\n"
@@ -280,4 +286,16 @@ def inspect_text(
         lines += [f"  {utc(event.at_ms)}  {event_text(event)}" for event in journal]
     else:
         lines.append("copies: no copy was skipped or held (or the journal is not connected)")
+    return "\n".join(lines)
+
+
+def key_json(key: str, now_ms: int, views: Sequence[ClaimView]) -> dict[str, Any]:
+    """``claims key --json``."""
+    return {"key": key, "now_ms": now_ms, "claims": [v.as_dict() for v in views]}
+
+
+def key_text(key: str, now_ms: int, views: Sequence[ClaimView]) -> str:
+    """``claims key``: who holds a key of keyed tasks, or keeps it done (``views`` not empty)."""
+    lines = [f"key {key}"]
+    lines += [f"{claim_line(view, now_ms)} (task {view.task_id})" for view in views]
     return "\n".join(lines)

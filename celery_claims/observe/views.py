@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from celery_claims.claims.keys import escape, require_prefix
+from celery_claims.claims.keys import escape, owner_task_key, require_prefix
 from celery_claims.claims.redis import (
     RedisClaimManager,
     RedisClient,
@@ -29,6 +29,7 @@ __all__ = [
     "ClaimView",
     "LaneOccupancy",
     "find_claims",
+    "find_key",
     "lane_occupancy",
     "list_views",
     "mark_waiting",
@@ -90,6 +91,9 @@ class ClaimView:
         remaining_ms: lease left (``running``), else 0.
         takeovers: for ``given_up``, the takeovers granted before it was given up, else 0.
         lane: for ``waiting``, the lane it waits for, else empty.
+        key: for a keyed task's claim (``claims_key``), the key's field
+            (``<task or namespace>[<key>]``): ``task_id`` and ``attempt`` are then the holder's
+            (or, for ``done``, the task that finished the key); else empty.
     """
 
     queue: str
@@ -103,10 +107,14 @@ class ClaimView:
     remaining_ms: int
     takeovers: int = 0
     lane: str = ""
+    key: str = ""
 
     @property
     def claim_id(self) -> str:
-        """``queue/task:retries:nesting``, as the journal names the claim."""
+        """``queue/task:retries:nesting`` (``queue/<key>`` when keyed), as the journal names
+        the claim."""
+        if self.key:
+            return f"{self.queue}/{self.key}"
         retries, _, nesting = self.attempt.partition(".")
         if not nesting:
             return f"{self.queue}/{self.task_id}"
@@ -126,22 +134,33 @@ def _split_claim_id(claim_task_id: str) -> tuple[str, str]:
     return claim_task_id, "-"
 
 
+def _keyed(view: ClaimView) -> ClaimView:
+    """A view of a keyed claim names the attempt its owner names, and the key."""
+    task_key = owner_task_key(view.owner)
+    if task_key is None or view.attempt != "-":
+        return view
+    task_id, attempt = _split_claim_id(task_key)
+    return replace(view, task_id=task_id, attempt=attempt, key=view.task_id)
+
+
 def _claim_view(queue: str, stored: StoredTask, now_ms: int) -> ClaimView | None:
     token = stored.claim
     if token is None:
         return None
     task_id, attempt = _split_claim_id(stored.task_id)
     live = now_ms < token.expires_at
-    return ClaimView(
-        queue,
-        task_id,
-        attempt,
-        "running" if live else "expired",
-        token.owner,
-        token.instance,
-        token.created_at,
-        token.expires_at,
-        token.remaining_ms(now_ms),
+    return _keyed(
+        ClaimView(
+            queue,
+            task_id,
+            attempt,
+            "running" if live else "expired",
+            token.owner,
+            token.instance,
+            token.created_at,
+            token.expires_at,
+            token.remaining_ms(now_ms),
+        )
     )
 
 
@@ -164,31 +183,35 @@ def _record_view(queue: str, stored: StoredTask, now_ms: int) -> ClaimView | Non
             0,
             record.takeovers,
         )
-    return ClaimView(
-        queue,
-        task_id,
-        attempt,
-        "done",
-        record.owner,
-        record.instance,
-        record.done_at,
-        stored.record_until_ms,
-        0,
+    return _keyed(
+        ClaimView(
+            queue,
+            task_id,
+            attempt,
+            "done",
+            record.owner,
+            record.instance,
+            record.done_at,
+            stored.record_until_ms,
+            0,
+        )
     )
 
 
 def list_views(manager: RedisClaimManager, queue: str, now_ms: int) -> list[ClaimView]:
     """The live claims of ``queue`` as views, soonest expiry first."""
     views = [
-        ClaimView(
-            queue,
-            *_split_claim_id(token.task_id),
-            "running",
-            token.owner,
-            token.instance,
-            token.created_at,
-            token.expires_at,
-            token.remaining_ms(now_ms),
+        _keyed(
+            ClaimView(
+                queue,
+                *_split_claim_id(token.task_id),
+                "running",
+                token.owner,
+                token.instance,
+                token.created_at,
+                token.expires_at,
+                token.remaining_ms(now_ms),
+            )
         )
         for token in manager.list_claims(queue)
     ]
@@ -230,6 +253,41 @@ def find_claims(
     queue_ids = list(manager.known_queues() if queues is None else queues)
     now = server_now_ms(manager.client) if now_ms is None else now_ms
     found = manager.execute_many([manager.read_call(queue, names) for queue in queue_ids])
+    views: list[ClaimView] = []
+    for queue, stored in zip(queue_ids, found, strict=True):
+        views += [v for s in stored if (v := _claim_view(queue, s, now)) is not None]
+        views += [v for s in stored if (v := _record_view(queue, s, now)) is not None]
+    return views
+
+
+def find_key(
+    manager: RedisClaimManager,
+    key: str,
+    *,
+    queues: Sequence[str] | None = None,
+    now_ms: int | None = None,
+) -> list[ClaimView]:
+    """Who holds the key ``key`` of keyed tasks, and whether it is kept done, in every queue.
+
+    Args:
+        manager: the claim store.
+        key: the key's field, ``<task name or claims_key_namespace>[<key>]`` as
+            ``celery claims list`` shows it (e.g. ``tasks.sync['acme']``).
+        queues: where to look (default: every known queue; a namespace is a queue of its own).
+        now_ms: the time to judge leases by (default: the Redis server's clock).
+
+    Returns:
+        Its live or expired claim (the holder's task id and attempt) and its record (kept by
+        ``claims_key_done_ttl``), by queue; empty if the store has neither.
+
+    Raises:
+        InvalidArgument: ``key`` is not a non-empty str.
+        BackendUnavailable: Redis cannot be reached.
+    """
+    require_id("key", key)
+    queue_ids = list(manager.known_queues() if queues is None else queues)
+    now = server_now_ms(manager.client) if now_ms is None else now_ms
+    found = manager.execute_many([manager.read_call(queue, [key]) for queue in queue_ids])
     views: list[ClaimView] = []
     for queue, stored in zip(queue_ids, found, strict=True):
         views += [v for s in stored if (v := _claim_view(queue, s, now)) is not None]

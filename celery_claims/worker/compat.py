@@ -18,7 +18,9 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import celery
 import kombu
+from celery import signals as celery_signals
 from celery.utils.log import get_logger
+from celery.utils.saferepr import saferepr
 from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils import json
 
@@ -29,9 +31,12 @@ __all__ = [
     "TESTED",
     "Delivery",
     "check_versions",
+    "fail_unrun",
     "forget_delivery",
     "pool_name",
     "refresh_unacked",
+    "republish",
+    "revoke_unrun",
     "restore_sweep",
     "requeued",
     "result_ready",
@@ -432,3 +437,59 @@ def close_with(app: Any, close: Callable[[], object]) -> None:
 
     close_app.__doc__ = original.__doc__
     app.close = close_app
+
+
+def fail_unrun(request: Any, exc: BaseException) -> None:
+    """Record a request that is never run as failed with ``exc``, as Celery records a task
+    that rejects its message without requeueing (``Request.on_failure`` for ``Reject``): the
+    FAILURE result, the ``task_failure`` signal and the ``task-failed`` event. The caller acks.
+
+    Touches ``Request._context`` (the task's request context, built lazily by Celery) and
+    ``Request.store_errors``.
+    """
+    task = request.task
+    context = getattr(request, "_context", None)
+    task.backend.mark_as_failure(
+        request.id, exc, request=context, store_result=getattr(request, "store_errors", True)
+    )
+    celery_signals.task_failure.send(
+        sender=task,
+        task_id=request.id,
+        exception=exc,
+        args=request.args,
+        kwargs=request.kwargs,
+        traceback=None,
+        einfo=None,
+    )
+    with contextlib.suppress(Exception):
+        request.send_event("task-failed", exception=saferepr(exc), traceback="")
+
+
+def republish(request: Any, countdown_s: float, headers: dict[str, Any]) -> None:
+    """Publish ``request``'s message again (same task id, arguments, links, routing) with a
+    countdown and extra ``headers``, as ``Task.retry`` does from the task's own context
+    (``Task.signature_from_request`` with ``Request._context``), but without counting a retry.
+
+    Raises:
+        Exception: whatever the producer raises (nothing was published then).
+    """
+    task = request.task
+    context = request._context
+    merged = {**(context.headers or {}), **headers}
+    signature = task.signature_from_request(
+        context, request.args, request.kwargs, countdown=countdown_s, headers=merged
+    )
+    signature.apply_async()
+
+
+def revoke_unrun(request: Any, reason: str) -> None:
+    """Store a REVOKED result with ``reason`` for a request that is acked without running
+    (another task held its key), so ``AsyncResult.get()`` raises ``TaskRevokedError`` instead
+    of waiting on a PENDING task for ever. Touches ``Request._context`` and ``store_errors``.
+    """
+    request.task.backend.mark_as_revoked(
+        request.id,
+        reason,
+        request=getattr(request, "_context", None),
+        store_result=getattr(request, "store_errors", True),
+    )

@@ -83,8 +83,17 @@ def _on_skipped(
     reason: str = "",
     claim_id: str = "",
     record: Any = None,
+    holder_task_id: str | None = None,
+    error: Any = None,
     **_: Any,
 ) -> None:
+    # a completion record names its owner, a given-up record the last holder; a keyed
+    # task's skip names the task id that held (or finished) the key, a refusal its error
+    other = str(getattr(record, "owner", "") or getattr(record, "previous_owner", "") or "")
+    if reason.startswith("key_") and holder_task_id:
+        other = holder_task_id
+    elif error is not None:
+        other = str(error)
     _post(
         request,
         JournalEvent(
@@ -93,8 +102,7 @@ def _on_skipped(
             reason,
             _hostname(request),
             claim_id,
-            # a completion record names its owner, a given-up record the last holder
-            str(getattr(record, "owner", "") or getattr(record, "previous_owner", "") or ""),
+            other,
             int(getattr(record, "instance", 0) or 0),
         ),
     )

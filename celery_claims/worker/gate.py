@@ -33,12 +33,13 @@ from celery.exceptions import TaskRevokedError
 from celery.utils.log import get_logger
 
 from celery_claims.claims.redis import ScriptCall
-from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
+from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument, KeyRefused
 from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
 from celery_claims.worker.compat import BrokerRide, unwrap_exception
 from celery_claims.worker.guard import REQUEST_KEY, is_guarded
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
+from celery_claims.worker.keyed import KeyedClaim, KeySpecs
 from celery_claims.worker.lifecycle import Copy, State
 from celery_claims.worker.pipe import Pipe, consumer_pipe
 from celery_claims.worker.policy import is_exempt, time_limit_of
@@ -96,6 +97,7 @@ class ClaimGate:
         self._pipe_checked = False
         self._stopping = False
         self._pre: dict[Any, _Preclaim] = {}
+        self.keys = KeySpecs(self.settings)
         self.life.bind(consumer, self._to_pool, self._claim)
 
     # --- entry point ------------------------------------------------------------------------
@@ -130,16 +132,34 @@ class ClaimGate:
             # and the broker redelivers it
             logger.exception("Claim gate cannot read %s[%s]", request.name, request.id)
             return None
+        owner = new_owner(self.runtime.hostname)
+        try:
+            key = self._key_of(request, queue_id, task_key, owner)
+        except KeyRefused as exc:
+            self.life.refuse(request, exc)
+            return None
         copy = self.life.receive(
             request,
-            owner=new_owner(self.runtime.hostname),
-            queue_id=queue_id,
-            task_key=task_key,
+            owner=owner if key is None else key.owner(owner),
+            queue_id=queue_id if key is None else key.claim_queue,
+            task_key=task_key if key is None else key.field,
             lease_ms=self._lease_ms(request.name, request.task),
             guarded=is_guarded(request.task),
+            key=key,
         )
         self._claim(copy)
         return None
+
+    def _key_of(self, request: Any, queue_id: str, task_key: str, owner: str) -> KeyedClaim | None:
+        """The keyed claim of ``request`` (None for a task without ``claims_key``).
+
+        Raises:
+            KeyRefused: the key cannot be made from the message (see ``keyed.py``).
+        """
+        spec = self.keys.of(request.task, request.name)
+        if spec is None:
+            return None
+        return self.keys.claim(spec, request, queue_id, task_key, len(owner.encode("utf-8")))
 
     @property
     def store_pipe(self) -> Pipe | None:
@@ -178,7 +198,7 @@ class ClaimGate:
         return lease
 
     def _claim_call(
-        self, queue_id: str, task_key: str, owner: str, lease_ms: int
+        self, queue_id: str, task_key: str, owner: str, lease_ms: int, *, keyed: bool = False
     ) -> ScriptCall[Any]:
         return self.runtime.manager.claim_call(
             queue_id,
@@ -186,7 +206,8 @@ class ClaimGate:
             owner,
             lease_ms,
             honour_done=True,
-            max_takeovers=self.settings.max_takeovers,
+            # a key's takeovers are those of several tasks: none of them is poison by that
+            max_takeovers=None if keyed else self.settings.max_takeovers,
             given_up_ttl_ms=self.settings.done_ttl_ms,
         )
 
@@ -211,6 +232,8 @@ class ClaimGate:
             task = self.consumer.app.tasks.get(name)
             if task is None or is_exempt(task, name):
                 return None
+            if getattr(task, "claims_key", None) is not None:
+                return None  # keyed: its key is made from the decoded arguments, in the gate
             if task.rate_limit and not self.consumer.disable_rate_limits:
                 return None
             lease_ms = self._lease_ms(name, task)
@@ -246,7 +269,13 @@ class ClaimGate:
         """
         outcome: Any
         try:
-            call = self._claim_call(copy.queue_id, copy.task_key, copy.owner, copy.lease_ms)
+            call = self._claim_call(
+                copy.queue_id,
+                copy.task_key,
+                copy.owner,
+                copy.lease_ms,
+                keyed=copy.key is not None,
+            )
             pipe = self.pipe()
             if pipe is not None:
                 try:
@@ -294,17 +323,27 @@ class ClaimGate:
             self.life.hold(copy, "unavailable", holder=None, error=exc)
 
     def _decide(self, copy: Copy, outcome: Any) -> None:
+        key = copy.key
         if isinstance(outcome, (Success, TookOver)):
             lanes = self.runtime.lanes
-            lane = lanes.lane_of(copy.queue_id, copy.request.name) if lanes is not None else None
+            queue = copy.queue_id if key is None else key.queue
+            lane = lanes.lane_of(queue, copy.request.name) if lanes is not None else None
             self.life.acquired(copy, outcome, lane)
         elif isinstance(outcome, AlreadyDone):
-            self.life.skip(copy, outcome, "done")
+            # a keyed copy finds its own attempt's record, or the key's (claims_key_done_ttl)
+            own = key is None or key.is_own(outcome.owner)
+            self.life.skip(copy, outcome, "done" if own else "key_done")
         elif isinstance(outcome, GivenUp):
             # a poison task: its copies kept crashing their workers (claims_max_takeovers)
             self.life.skip(copy, outcome, "given_up")
         elif isinstance(outcome, AlreadyClaimed):
-            self.life.hold(copy, "held", holder=outcome.owner, error=None)
+            policy = "wait" if key is None else key.policy(outcome.owner)
+            if policy == "skip":
+                self.life.skip(copy, outcome, "key_held")
+            elif policy == "reschedule":
+                self.life.reschedule(copy, outcome)
+            else:
+                self.life.hold(copy, "held", holder=outcome.owner, error=None)
         elif isinstance(outcome, BackendUnavailable):
             self.life.hold(copy, "unavailable", holder=None, error=outcome)
         else:

@@ -41,20 +41,25 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_logger
 from celery.worker.state import task_ready
 
+from celery_claims.claims.keys import owner_task_key
 from celery_claims.claims.redis import RedisClaimManager
-from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
-from celery_claims.model import AlreadyDone, ClaimToken, Success, TookOver
+from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError, KeyRefused
+from celery_claims.model import AlreadyClaimed, AlreadyDone, ClaimToken, Success, TookOver
 from celery_claims.worker import signals
 from celery_claims.worker.compat import (
     BrokerRide,
     Delivery,
+    fail_unrun,
     forget_delivery,
+    republish,
     requeued,
     result_ready,
+    revoke_unrun,
 )
 from celery_claims.worker.failover import RecentCompletions
 from celery_claims.worker.guard import REQUEST_KEY, ClaimUnverified, StaleCopy
 from celery_claims.worker.identity import new_owner
+from celery_claims.worker.keyed import RESCHEDULES_HEADER, KeyedClaim
 from celery_claims.worker.lanes import Lane, LaneSlot, WorkerLanes
 from celery_claims.worker.recovery import Recovery, Verdict, record_done, recover
 from celery_claims.worker.settings import ClaimsSettings
@@ -92,6 +97,10 @@ class State(enum.Enum):
     #: let go without acking: forgotten, handed back, or its connection closed (terminal)
     GONE = "gone"
 
+
+#: Reasons of a skip whose task id never ran (a keyed task meeting another's key): its own
+#: result is stored as REVOKED.
+_NOT_RUN = frozenset({"key_held", "key_done"})
 
 #: The legal moves. Anything else is a bug, and raises.
 TRANSITIONS: dict[State, frozenset[State]] = {
@@ -154,6 +163,8 @@ class Copy:
         renew_until: when its claim stops being renewed (``time.monotonic()``): its start
             plus its time limit, which some pools do not enforce (:meth:`Lifecycle.overran`).
         overran: it ran past its time limit (reported once).
+        key: its keyed claim (``claims_key``): ``queue_id`` and ``task_key`` are then the
+            key's claim queue and field, and ``owner`` names the attempt (``keyed.py``).
     """
 
     request: Any
@@ -180,6 +191,7 @@ class Copy:
     time_limit_s: float | None = None
     renew_until: float = math.inf
     overran: bool = False
+    key: KeyedClaim | None = None
 
     @property
     def claim_id(self) -> str:
@@ -410,8 +422,9 @@ class Lifecycle:
         task_key: str,
         lease_ms: int,
         guarded: bool,
+        key: KeyedClaim | None = None,
     ) -> Copy:
-        """A new copy in the gate (``RECEIVED``)."""
+        """A new copy in the gate (``RECEIVED``); ``key``: its keyed claim, if any."""
         refresh = self.settings.refresh_unacked
         copy = Copy(
             request=request,
@@ -421,6 +434,7 @@ class Lifecycle:
             lease_ms=lease_ms,
             guarded=guarded,
             delivery=Delivery.of(request.message) if refresh else None,
+            key=key,
         )
         with self._lock:
             self._copies[id(copy)] = copy
@@ -486,9 +500,7 @@ class Lifecycle:
             request.name,
             request.id,
             copy.claim_id,
-            f"already done by {record.owner} (instance {record.instance})"
-            if isinstance(record, AlreadyDone)
-            else f"given up as poison after {getattr(record, 'takeovers', '?')} takeovers",
+            _skip_detail(record),
         )
         # only the message goes: the result the first run stored stays as it is
         request.acknowledge()
@@ -500,6 +512,98 @@ class Lifecycle:
             reason=reason,
             claim_id=copy.claim_id,
             record=record,
+            holder_task_id=_holder_task_id(record),
+        )
+        if reason in _NOT_RUN:
+            # another task id held or finished the key: this one's own result says so (for a
+            # copy of a finished attempt, the result its run stored stays). Stored last, so a
+            # client that sees it finds the journal's entry too
+            try:
+                revoke_unrun(request, f"{reason}: {_skip_detail(record)}")
+            except Exception as exc:
+                logger.warning(
+                    "Skipped %s[%s]: result not stored: %r", request.name, request.id, exc
+                )
+
+    def reschedule(self, copy: Copy, holder: AlreadyClaimed) -> None:
+        """Another task holds the copy's key (``reschedule`` policy): its message is
+        published again with a countdown, then this copy is acked (``SKIPPED``).
+
+        The new message is a durable copy of the work before this one goes. Should the
+        publish fail, the copy is held instead (``wait``), so nothing is lost.
+        """
+        key = copy.key
+        assert key is not None
+        count = key.reschedules + 1
+        request = copy.request
+        try:
+            republish(request, key.spec.reschedule_s, {RESCHEDULES_HEADER: count})
+        except Exception as exc:
+            logger.warning(
+                "Claim %s: could not reschedule %s[%s] (%r); held instead",
+                copy.claim_id,
+                request.name,
+                request.id,
+                exc,
+            )
+            self.hold(copy, "held", holder=holder.owner, error=None)
+            return
+        self._cancel_timer(copy)
+        self.slots.take_back(copy)
+        self._move(copy, State.SKIPPED)
+        self.counters.incr("rescheduled_key_held")
+        logger.info(
+            "Rescheduled %s[%s] in %g s (%d of at most %d): claim %s %s",
+            request.name,
+            request.id,
+            key.spec.reschedule_s,
+            count,
+            key.spec.reschedule_max,
+            copy.claim_id,
+            _skip_detail(holder),
+        )
+        request.acknowledge()
+        task_ready(request)
+        signals.task_skipped.send(
+            sender=request.task,
+            request=request,
+            reason="key_rescheduled",
+            claim_id=copy.claim_id,
+            record=holder,
+            holder_task_id=_holder_task_id(holder),
+        )
+
+    def refuse(self, request: Any, error: KeyRefused) -> None:
+        """A keyed task's message whose key cannot be made: never run, recorded as failed
+        with ``error`` (its result, ``task_failure``, the ``task-failed`` event), then acked,
+        as Celery fails a task whose arguments do not bind. Never a claim, never a copy.
+        """
+        self.counters.incr("refused_key")
+        logger.error(
+            "Refused %s[%s]: %s; recorded as failed, acked without running",
+            request.name,
+            request.id,
+            error,
+        )
+        try:
+            fail_unrun(request, error)
+        except Exception as exc:
+            # the result backend is down: the message stays unacked, the broker redelivers
+            # it and it is refused again; never acked without its failure recorded
+            logger.warning(
+                "Refused %s[%s]: failure not recorded: %r", request.name, request.id, exc
+            )
+            return
+        request.acknowledge()
+        task_ready(request)
+        signals.task_skipped.send(
+            sender=request.task,
+            request=request,
+            reason="key_refused",
+            claim_id="",
+            record=None,
+            holder_task_id=None,
+            error=error,
         )
 
     def hold(
@@ -1046,7 +1150,8 @@ class Lifecycle:
         self.slots.take_back(copy)
         self._move(copy, State.RECEIVED)
         # a new owner: under its old one the copy would simply re-claim the task
-        copy.owner = new_owner(self.hostname)
+        owner = new_owner(self.hostname)
+        copy.owner = owner if copy.key is None else copy.key.owner(owner)
         copy.token = None
         copy.request.request_dict.pop(REQUEST_KEY, None)
         if self._recheck is not None:
@@ -1092,6 +1197,21 @@ class Lifecycle:
             fn(*args)
         else:
             self._consumer.call_soon(fn, *args)
+
+
+def _skip_detail(record: Any) -> str:
+    """What a skipped (or rescheduled) copy met, for the log."""
+    if isinstance(record, AlreadyClaimed):
+        return f"is held by task {_holder_task_id(record)} ({record.owner})"
+    if isinstance(record, AlreadyDone):
+        return f"already done by {record.owner} (instance {record.instance})"
+    return f"given up as poison after {getattr(record, 'takeovers', '?')} takeovers"
+
+
+def _holder_task_id(record: Any) -> str | None:
+    """The task id a keyed claim's holder (or a record's owner) names, or None."""
+    task_key = owner_task_key(str(getattr(record, "owner", "") or ""))
+    return None if task_key is None else task_key.rsplit(":", 2)[0]
 
 
 def _past_limit(copy: Copy, now: float) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery_claims.errors import InvalidArgument
+from celery_claims.worker.keyed import key_spec
 from celery_claims.worker.settings import ClaimsSettings
 
 __all__ = ["EXEMPT_PREFIXES", "check_task_policies", "is_exempt", "time_limit_of"]
@@ -59,7 +60,9 @@ def time_limit_of(
 
 
 def check_task_policies(app: Any, settings: ClaimsSettings) -> None:
-    """Validate the per-task ``claims`` and ``claims_lease_ms`` attributes of every task.
+    """Validate the per-task ``claims``, ``claims_lease_ms`` and keyed-claim attributes
+    (``claims_key`` and its ``claims_key_*``, :func:`~celery_claims.worker.keyed.key_spec`)
+    of every task.
 
     Raises:
         InvalidArgument: an attribute has the wrong type or an unusable value.
@@ -71,3 +74,5 @@ def check_task_policies(app: Any, settings: ClaimsSettings) -> None:
         lease = getattr(task, "claims_lease_ms", None)
         if lease is not None:
             settings.check_task_lease(name, lease)
+        if not name.startswith(EXEMPT_PREFIXES):
+            key_spec(task, name, settings)

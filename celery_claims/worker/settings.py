@@ -113,6 +113,10 @@ class ClaimsSettings:
             (``claims_journal_scan_interval_ms``).
         journal_max_republish: re-publishes of one message before it is dropped
             (``claims_journal_max_republish``).
+        key_conflict: what a keyed task's message does while its key is held
+            (``claims_key_conflict``: ``wait``, ``skip`` or ``reschedule``).
+        key_reschedule_max: most reschedules of one keyed message (``reschedule`` policy).
+        key_reschedule_s: countdown of a rescheduled keyed message.
     """
 
     redis_url: str
@@ -139,6 +143,9 @@ class ClaimsSettings:
     journal_recover_after_ms: int = DEFAULT_JOURNAL_RECOVER_AFTER_MS
     journal_scan_interval_ms: int = DEFAULT_JOURNAL_SCAN_INTERVAL_MS
     journal_max_republish: int = DEFAULT_JOURNAL_MAX_REPUBLISH
+    key_conflict: str = "wait"
+    key_reschedule_max: int = 3
+    key_reschedule_s: float = 5.0
 
     def renew_interval_for(self, lease_ms: int) -> int:
         """How often a claim of ``lease_ms`` is renewed, in ms.

@@ -21,9 +21,12 @@ __all__ = [
     "task_skipped",
 ]
 
-#: A copy was acknowledged without running. Arguments: ``request``, ``reason`` (``"done"``, or
-#: ``"given_up"`` for a poison task),
-#: ``claim_id`` (queue/task/attempt), ``record`` (the ``AlreadyDone`` or ``GivenUp`` record).
+#: A copy was acknowledged without running. Arguments: ``request``, ``reason`` (``"done"``,
+#: ``"given_up"`` for a poison task; for a keyed task ``"key_held"``, ``"key_rescheduled"``,
+#: ``"key_done"`` or ``"key_refused"``), ``claim_id`` (queue/task/attempt, or queue/key),
+#: ``record`` (the ``AlreadyDone`` or ``GivenUp`` record, the holder's ``AlreadyClaimed``, or
+#: None), ``holder_task_id`` (the task id that held or finished the key, else None) and, for
+#: ``"key_refused"``, ``error`` (the :class:`~celery_claims.errors.KeyRefused`).
 task_skipped = Signal(name="celery_claims.task_skipped")
 
 #: A copy was held unacked instead of run. Arguments: ``request``, ``reason`` (``"held"`` while
@@ -68,7 +71,8 @@ class Counters:
     ``journal_deferred`` (its producer side counts ``journal_written`` and
     ``journal_write_failed`` in :data:`celery_claims.worker.journal.PUBLISH_COUNTERS`, one per
     process); ``events_dropped`` (event journal entries its writer dropped: queue full, or the
-    store away too long).
+    store away too long); ``skipped_key_held``, ``rescheduled_key_held``, ``skipped_key_done``,
+    ``refused_key`` (keyed tasks, ``keyed.py``).
     """
 
     def __init__(self) -> None:

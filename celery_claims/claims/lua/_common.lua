@@ -184,6 +184,30 @@ local function put_record(records_key, owners_key, task, r)
   redis.call('HSET', records_key, task, format_record(r))
 end
 
+-- --- keyed claims: an entry held on a business key names the attempt that holds it ---------
+-- A keyed claim's field is the key's (worker/keyed.py), and its owner ends with
+-- "~k<task key>~<key retention ms>" (the task key with '%', '~', '.', '/' percent-escaped, so
+-- the owner's head stays the worker process's). Its completion record goes to the task key's
+-- own field (so a copy of that attempt is skipped as done, not the key's later tasks), and
+-- with a key retention also to the key's field (an idempotency key). Returns the task key
+-- and the retention, or nil for a plain owner.
+local function keyed_owner(owner)
+  local escaped, ttl = string.match(owner, '~k([^~]*)~(%d+)$')
+  if escaped == nil then
+    return nil, 0
+  end
+  local task_key = string.gsub(escaped, '%%(%x%x)', function(h)
+    return string.char(tonumber(h, 16))
+  end)
+  return task_key, tonumber(ttl)
+end
+
+-- The field a token's completion record is kept under: the attempt's own for a keyed claim.
+local function record_field(task, owner)
+  local task_key = keyed_owner(owner)
+  return task_key or task
+end
+
 -- The claim a token refers to, checked in the original's order: not found (4), then another
 -- instance (5: stale), then another owner (6). Returns status 1 and the parsed entry when the
 -- token holds the claim. Expiry is not checked (release and extend ignore it).
@@ -222,8 +246,17 @@ local function release_claim(k, task, owner, instance, record_ttl, now_arg)
     -- key TTL, which runs on the server's real time even when the caller sends its own
     -- clock; the claim's owner reference passes to the record
     own(k[4], e)
-    put_record(k[3], k[4], task,
+    local task_key, key_ttl = keyed_owner(owner)
+    put_record(k[3], k[4], task_key or task,
       {kind = 7, number = e.instance, at = now, until_ms = now + ttl, oid = e.oid, tail = e.tail})
+    if key_ttl > 0 then
+      -- the key's own record holds a reference of its own to the owner's head
+      if e.oid ~= '0' then
+        redis.call('HINCRBY', k[4], 'r' .. e.oid, 1)
+      end
+      put_record(k[3], k[4], task, {kind = 7, number = e.instance, at = now,
+        until_ms = now + key_ttl, oid = e.oid, tail = e.tail})
+    end
   else
     owner_unref(k[4], e.oid)
   end

@@ -12,7 +12,7 @@
 -- very record, so a refused token must never remove it)
 local status = release_claim(KEYS, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
 if status ~= 1 then
-  local raw = redis.call('HGET', KEYS[3], ARGV[1])
+  local raw = redis.call('HGET', KEYS[3], record_field(ARGV[1], ARGV[2]))
   if not raw then
     return {status}
   end

@@ -6,7 +6,7 @@
 -- KEYS[4] = completion records of the queue ({q}:d)  task -> record (see parse_record)
 -- KEYS[5] = owners hash of the queue        ({q}:o)  (see owner_ref)
 -- ARGV[1] = task id
--- ARGV[2] = owner
+-- ARGV[2] = owner (a keyed claim's names the attempt: see keyed_owner)
 -- ARGV[3] = lease in ms
 -- ARGV[4] = now in epoch ms, or '' for the server clock
 -- ARGV[5] = '1': answer DONE / GIVEN_UP when a live record exists; '0': ignore records
@@ -21,11 +21,20 @@ local now = now_ms(ARGV[4])
 redis.call('HINCRBY', KEYS[3], 'attempts', 1)
 
 if ARGV[5] == '1' then
-  local raw = redis.call('HGET', KEYS[4], ARGV[1])
-  if raw then
-    local r = parse_record(raw)
-    if now < r.until_ms then
-      return {r.kind, r.number, r.at, owner_of(KEYS[5], r)}
+  -- a keyed claim (ARGV[1] a key, the owner naming its attempt): the attempt's own record
+  -- first (a copy of a finished attempt), then the key's (a key kept done for a while)
+  local fields = {ARGV[1]}
+  local task_key = keyed_owner(ARGV[2])
+  if task_key then
+    fields = {task_key, ARGV[1]}
+  end
+  for _, field in ipairs(fields) do
+    local raw = redis.call('HGET', KEYS[4], field)
+    if raw then
+      local r = parse_record(raw)
+      if now < r.until_ms then
+        return {r.kind, r.number, r.at, owner_of(KEYS[5], r)}
+      end
     end
   end
 end
