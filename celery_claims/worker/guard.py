@@ -257,6 +257,9 @@ class _RecordSender:
     def __init__(self) -> None:
         self._conn: Any = None
         self._unread = 0
+        # scripts loaded on this connection: a fresh or restarted store knows none, and a
+        # NOSCRIPT reply would only come after the record was needed
+        self._loaded: set[str] = set()
 
     def send(self, manager: RedisClaimManager, call: ScriptCall[Any]) -> bool:
         """Send ``call``; False if it could not be sent (nothing is retried)."""
@@ -267,10 +270,15 @@ class _RecordSender:
             if self._conn is None:
                 self._conn = pool.make_connection()
             self._read_arrived()
-            self._conn.send_command(
-                "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
-            )
-            self._unread += 1
+            commands: list[tuple[Any, ...]] = []
+            sha = call.script.sha
+            if sha not in self._loaded:
+                # loaded in the same write, ahead of its first use (idempotent on the server)
+                commands.append(("SCRIPT", "LOAD", call.script.script))
+                self._loaded.add(sha)
+            commands.append(("EVALSHA", sha, len(call.keys), *call.keys, *call.args))
+            self._conn.send_packed_command(self._conn.pack_commands(commands))
+            self._unread += len(commands)
             return True
         except (redis.RedisError, OSError) as exc:
             logger.debug("completion record not sent ahead of the ack: %r", exc)
@@ -283,6 +291,10 @@ class _RecordSender:
             self._unread -= 1
             try:
                 conn.read_response()
+            except redis.exceptions.NoScriptError as exc:
+                # the store lost its scripts (SCRIPT FLUSH): load them again on the next send
+                self._loaded.clear()
+                logger.debug("a completion record sent ahead of the ack failed: %s", exc)
             except redis.ResponseError as exc:
                 logger.debug("a completion record sent ahead of the ack failed: %s", exc)
         if self._unread > self.MAX_UNREAD:
@@ -290,6 +302,7 @@ class _RecordSender:
 
     def _reset(self) -> None:
         conn, self._conn, self._unread = self._conn, None, 0
+        self._loaded.clear()
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.disconnect()

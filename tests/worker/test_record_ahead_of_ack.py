@@ -14,6 +14,8 @@ import signal
 
 import pytest
 
+from celery_claims import RedisClaimManager
+from celery_claims.worker.guard import _RecordSender
 from tests.servers import RedisServer
 from tests.worker.helpers import unique, wait_done, wait_for
 from tests.worker.processes import Fleet, events_of, executions, unacked_task_ids
@@ -61,3 +63,36 @@ def test_a_finished_task_whose_main_process_stops_before_the_ack_is_not_run_agai
         assert [s["pid"] for s in starts] == [end["pid"]], "the finished task ran again"
     finally:
         os.kill(holder.popen.pid, signal.SIGCONT)
+
+
+def test_a_record_sent_ahead_loads_its_script_on_a_fresh_store_and_after_a_flush(
+    private_redis: RedisServer,
+) -> None:
+    # Given a store that has never seen the release script, and a pool process's sender
+    manager = RedisClaimManager(url=private_redis.url, prefix=unique("p"))
+    manager.client.script_flush()
+    sender = _RecordSender()
+    try:
+
+        def record(task: str) -> bool:
+            token = manager.claim("q", task, "a@host/1/n.1", 60_000).token
+            assert token is not None
+            assert sender.send(manager, manager.complete_call(token, 60_000))
+            return wait_for(
+                lambda: manager.done_record("q", task) is not None, timeout=5, what=task
+            )
+
+        # When records are sent without waiting for their replies, Then the first is written
+        assert record("first:0:0")
+        # and after SCRIPT FLUSH, the record that met NOSCRIPT is the ack's to write, and the
+        # sender loads the script again for the next one
+        manager.client.script_flush()
+        token = manager.claim("q", "lost:0:0", "a@host/1/n.2", 60_000).token
+        assert token is not None
+        assert sender.send(manager, manager.complete_call(token, 60_000))
+        assert sender._conn.can_read(timeout=5)  # its NOSCRIPT reply is there to be read
+        assert record("after:0:0")
+        assert manager.done_record("q", "lost:0:0") is None
+    finally:
+        sender._reset()
+        manager.close()
