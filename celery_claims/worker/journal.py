@@ -33,6 +33,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import contextvars
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -72,8 +73,14 @@ logger = get_logger("celery_claims.worker")
 #: The producer counters of this process: ``journal_written``, ``journal_write_failed``.
 PUBLISH_COUNTERS = Counters()
 #: After a failed journal write, this process publishes unjournaled (counted as failed) for
-#: this long before it tries the store again.
+#: this long before it tries the store again, doubled on each failure in a row.
 RETRY_AFTER_S = 1.0
+#: Ceiling of that pause.
+RETRY_AFTER_MAX_S = 30.0
+#: Longest a journal write may hold up a publish, in ms (or ``claims_socket_timeout_ms`` if
+#: shorter): the publish has succeeded already, and a producer (a web request) must not wait
+#: the worker's timeout on a claim store that hangs.
+PRODUCER_TIMEOUT_MS = 500
 #: Most journaled messages one recovery pass takes per queue.
 SCAN_BATCH = 100
 #: Clears a worker keeps while the store cannot take them (beyond that they are let go: a
@@ -317,6 +324,7 @@ class ProducerJournal:
         self._journal: RedisJournal | None = None
         self._queues = QueueResolver(app)
         self._skip_until = 0.0
+        self._retry_after_s = RETRY_AFTER_S / 2
         self._failing = False
 
     def configure(self, settings: ClaimsSettings) -> None:
@@ -357,8 +365,10 @@ class ProducerJournal:
             assert self._settings is not None
             with self._lock:
                 if self._journal is None:
+                    timeout_ms = min(self._settings.socket_timeout_ms, PRODUCER_TIMEOUT_MS)
+                    settings = dataclasses.replace(self._settings, socket_timeout_ms=timeout_ms)
                     self._journal = RedisJournal(
-                        client=new_client(self._settings), prefix=self._settings.prefix
+                        client=new_client(settings), prefix=self._settings.prefix
                     )
                 journal = self._journal
         return journal
@@ -407,8 +417,10 @@ class ProducerJournal:
             if self._off is not None:
                 return  # said once, when it was turned off
             if isinstance(exc, ClaimError):
-                # the store: stop trying for a moment, so an unreachable one costs little
-                self._skip_until = time.monotonic() + RETRY_AFTER_S
+                # the store: stop trying for a while, so an unreachable or hung one costs one
+                # short timeout now and then, not one per publish
+                self._retry_after_s = min(self._retry_after_s * 2, RETRY_AFTER_MAX_S)
+                self._skip_until = time.monotonic() + self._retry_after_s
             if not self._failing:
                 logger.warning(
                     "celery-claims: could not journal %s (published all the same; a message "
@@ -419,6 +431,7 @@ class ProducerJournal:
             self._failing = isinstance(exc, ClaimError)
             return
         self.counters.incr("journal_written")
+        self._retry_after_s = RETRY_AFTER_S / 2
         if self._failing:
             self._failing = False
             logger.warning("celery-claims: the publish journal is written again")
