@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from bench.overhead_app import build  # noqa: E402
 from celery_claims.demo.runner import private_redis  # noqa: E402
 
-VARIANTS = ("plain", "rt1", "claims", "claims-sep", "once", "singleton")
+VARIANTS = ("plain", "rt1", "claims", "claims-nj", "claims-sep", "once", "singleton")
 POOLS = ("prefork", "solo")
 KINDS = (("noop", "bench.noop"), ("10ms", "bench.sleep10"))
 

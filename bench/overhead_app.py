@@ -4,7 +4,8 @@
 plus the least any execution-time claim costs: one blocking round trip of a one-line Lua
 script to the store per message, in the consumer before the pool gets it), ``claims``
 (``celery_claims.install``, the claim store on the broker's server, the default),
-``claims-sep`` (the same with the claim store on a server of its own, ``BENCH_STORE_URL``,
+``claims-nj`` (``claims`` with the publish journal off), ``claims-sep`` (the same with the claim
+store on a server of its own, ``BENCH_STORE_URL``,
 as a fleet on RabbitMQ has it), ``once`` (celery-once's ``QueueOnce`` base) or ``singleton``
 (celery-singleton's ``Singleton`` base). ``BENCH_URL`` is the Redis used as broker and as
 every plugin's store; ``BENCH_QUEUE`` the queue; ``BENCH_PREFETCH`` the
@@ -65,11 +66,15 @@ def build(variant: str, url: str, queue: str) -> Celery:
     base: Any = None
     if variant == "rt1":
         app.steps["consumer"].add(OneRoundTrip)
-    elif variant in ("claims", "claims-sep"):
+    elif variant in ("claims", "claims-sep", "claims-nj"):
         from celery_claims.worker import install
 
         if variant == "claims-sep":
             app.conf.claims_redis_url = os.environ["BENCH_STORE_URL"]
+        if variant == "claims-nj":
+            # the producer's publish journal off: what it costs the batch (one round trip per
+            # publish, made by the producer, counted in the batch's time)
+            app.conf.claims_journal = False
         install(app)
     elif variant == "once":
         from celery_once import QueueOnce
