@@ -25,14 +25,18 @@ import click
 
 from celery_claims.claims.keys import DEFAULT_PREFIX, require_prefix
 from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.connection import close as close_client
+from celery_claims.connection import connect
 from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
 from celery_claims.observe import (
     ClaimView,
     Journal,
+    JournalEvent,
     LaneOccupancy,
     find_claims,
     lane_occupancy,
     list_views,
+    mark_waiting,
     server_now_ms,
 )
 
@@ -76,7 +80,9 @@ class Target:
         if self.app is not None and (url is None or prefix is None):
             from celery_claims.worker.settings import load_settings
 
-            settings = load_settings(self.app)
+            # the app's default claim store is its broker as Celery resolves it (the
+            # environment's CELERY_BROKER_URL, `celery -b`); --redis-url overrides it
+            settings = load_settings(self.app, {"claims_redis_url": url})
             url = url or settings.redis_url
             prefix = prefix or settings.prefix
         if url is None:
@@ -87,10 +93,18 @@ class Target:
         return url, require_prefix(prefix or DEFAULT_PREFIX)
 
     def manager(self) -> RedisClaimManager:
-        """A claim manager for the store (made once per command)."""
+        """A claim manager for the store (made once per command; the app's
+        ``claims_redis_options`` and ``claims_redis_cluster`` apply)."""
         if self._manager is None:
             url, prefix = self.store()
-            self._manager = RedisClaimManager(url=url, prefix=prefix)
+            options, cluster = None, False
+            if self.app is not None:
+                from celery_claims.worker.settings import load_settings
+
+                settings = load_settings(self.app, {"claims_redis_url": self.redis_url})
+                options, cluster = dict(settings.redis_options), settings.redis_cluster
+            client = connect(url, options, cluster=cluster)
+            self._manager = RedisClaimManager(client=client, prefix=prefix)
         return self._manager
 
     def lane_limits(self) -> dict[str, int]:
@@ -107,7 +121,7 @@ class Target:
     def close(self) -> None:
         """Close the connections the command opened."""
         if self._manager is not None:
-            self._manager.client.close()
+            close_client(self._manager.client)
 
 
 def _safe_url(url: str) -> str:
@@ -223,13 +237,17 @@ def claims(
 @_json_option
 @click.pass_context
 def list_command(ctx: click.Context, queue: str | None, as_json: bool) -> None:
-    """Live claims (all queues, or QUEUE): task, attempt, owner, instance, lease left."""
+    """Live claims (all queues, or QUEUE): task, attempt, running or waiting for its lane,
+    owner, instance, lease left."""
     target = _target(ctx)
     with _errors(target):
         manager = target.manager()
         queues = [queue] if queue else manager.known_queues()
         now = server_now_ms(manager.client)
         views = [view for q in queues for view in list_views(manager, q, now)]
+        # a copy waiting for its lane holds a live claim too: the journal tells them apart
+        journals = Journal(manager.client, manager.prefix).read_many(v.task_id for v in views)
+        views = mark_waiting(views, journals)
     if as_json:
         _emit_json({"now_ms": now, "queues": queues, "claims": [v.as_dict() for v in views]})
         return
@@ -238,11 +256,17 @@ def list_command(ctx: click.Context, queue: str | None, as_json: bool) -> None:
         click.echo(f"no live claims in {where}")
         return
     rows = [
-        (v.queue, v.task_id, v.attempt, v.owner, v.instance, _seconds(v.remaining_ms))
+        (v.queue, v.task_id, v.attempt, _state(v), v.owner, v.instance, _seconds(v.remaining_ms))
         for v in views
     ]
-    click.echo(_table(("QUEUE", "TASK", "ATTEMPT", "OWNER", "INSTANCE", "LEASE LEFT"), rows))
-    click.echo(f"\n{len(views)} live claim(s)")
+    headers = ("QUEUE", "TASK", "ATTEMPT", "STATE", "OWNER", "INSTANCE", "LEASE LEFT")
+    click.echo(_table(headers, rows))
+    waiting = sum(1 for v in views if v.state == "waiting")
+    click.echo(f"\n{len(views)} live claim(s), {waiting} of them waiting for a lane slot")
+
+
+def _state(view: ClaimView) -> str:
+    return f"waiting (lane {view.lane})" if view.state == "waiting" else view.state
 
 
 @claims.command()
@@ -308,6 +332,7 @@ def inspect(ctx: click.Context, task_id: str, queues: tuple[str, ...], as_json: 
         now = server_now_ms(manager.client)
         views = find_claims(manager, task_id, queues=list(queues) or None, now_ms=now)
         journal = Journal(manager.client, manager.prefix).read(task_id)
+        views = mark_waiting(views, {task_id: journal})
     if as_json:
         _emit_json(
             {
@@ -333,6 +358,8 @@ def inspect(ctx: click.Context, task_id: str, queues: tuple[str, ...], as_json: 
     click.echo(f"task {task_id}")
     for view in views:
         click.echo(_describe(view, now))
+    if not views:
+        click.echo(_without_claim(journal))
     if journal:
         click.echo("copies:")
         for event in journal:
@@ -354,6 +381,12 @@ def _describe(view: ClaimView, now: int) -> str:
             f"last holder whose lease ran out: {view.owner}); later copies are acked unrun "
             f"until {_utc(view.until_ms)}"
         )
+    if view.state == "waiting":
+        return (
+            head + f"WAITING for a slot of lane {view.lane} (claimed, not running yet), held by "
+            f"{view.owner} (instance {view.instance}) since {_utc(view.since_ms)}, lease until "
+            f"{_utc(view.until_ms)} ({_seconds(view.remaining_ms)} left)"
+        )
     if view.state == "running":
         return (
             head + f"RUNNING, held by {view.owner} (instance {view.instance}) since "
@@ -363,6 +396,22 @@ def _describe(view: ClaimView, now: int) -> str:
     return (
         head + f"EXPIRED lease of {view.owner} (instance {view.instance}) "
         f"{_seconds(now - view.until_ms)} ago; the next copy takes it over"
+    )
+
+
+def _without_claim(journal: Sequence[JournalEvent]) -> str:
+    """What the journal says of a task the store has no claim or record of."""
+    ended = [e for e in journal if e.event in ("released", "lease_lost", "skipped")]
+    last = ended[-1] if ended else None
+    if last is not None and last.event == "released":
+        return (
+            f"  no live claim and no completion record: the last attempt ended without success "
+            f"on {last.worker} at {_utc(last.at_ms)} ({last.reason}); its claim was released, "
+            f"so a later copy of it runs again (the result backend has the error)"
+        )
+    return (
+        "  no live claim and no completion record (finished and its record expired, or "
+        "released): the journal below is all that is known"
     )
 
 
@@ -383,9 +432,16 @@ def cleanup(ctx: click.Context, limit: int | None, as_json: bool) -> None:
 
 @claims.command()
 @click.option("--strict", is_flag=True, help="Exit 1 on warnings too, not only on errors.")
+@click.option(
+    "--pool",
+    "-P",
+    type=click.Choice(["prefork", "threads", "solo", "gevent", "eventlet"]),
+    default=None,
+    help="The workers' pool (default: worker_pool, else prefork): what it does not enforce.",
+)
 @_json_option
 @click.pass_context
-def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
+def check(ctx: click.Context, strict: bool, pool: str | None, as_json: bool) -> None:
     """Report settings that weaken or defeat claims, each with its fix (needs the app)."""
     from celery_claims.safety import Severity, check_settings
 
@@ -393,7 +449,7 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
     if target.app is None:
         _fail("check needs the app: run `celery -A yourapp claims check`", EXIT_UNAVAILABLE)
     with _errors(target):
-        findings = check_settings(target.app.conf)
+        findings = check_settings(target.app.conf, pool=pool)
     if as_json:
         _emit_json({"findings": [f.as_dict() for f in findings]})
     elif not findings:
@@ -401,7 +457,11 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
     else:
         for finding in findings:
             click.echo(f"{finding.severity.value.upper():7}  {finding.key}: {finding.message}")
-    failing = [f for f in findings if strict or f.severity == Severity.ERROR]
+    failing = [
+        f
+        for f in findings
+        if f.severity == Severity.ERROR or (strict and f.severity == Severity.WARNING)
+    ]
     if failing:
         sys.exit(EXIT_NOT_FOUND)
 

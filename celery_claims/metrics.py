@@ -11,12 +11,16 @@ between scrapes:
   claims, and lane occupancy. One exporter per fleet is enough for these (``celery claims
   metrics``), but every worker may export them too.
 
-``install_metrics(app, port=...)`` starts an exporter in each worker's main process (where the
-gate runs) once the worker is ready.
+``install_metrics(app)`` starts an exporter in each worker's main process (where the gate
+runs) once the worker is ready. Several workers on one host each need a port of their own:
+``claims_metrics_port`` (or ``--claims-metrics-port``) is a port, a range ``"9808-9817"`` (the
+default) from which each worker takes the first free port, or 0 for any free port; the port
+taken is logged, and the ``worker`` label tells the workers apart.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +33,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import ClaimError, InvalidArgument
 from celery_claims.observe import lane_occupancy, server_now_ms
+from celery_claims.worker.settings import parse_ports
 
 __all__ = [
     "StoreCollector",
@@ -227,6 +232,23 @@ def _serve(registry: CollectorRegistry, port: int, addr: str) -> tuple[Any, int]
     return server, int(server.server_port)
 
 
+def _serve_first(registry: CollectorRegistry, ports: tuple[int, int], addr: str) -> tuple[Any, int]:
+    """Serve on the first free port of ``ports`` (first, last).
+
+    Raises:
+        OSError: every port of the range is taken (``EADDRINUSE``), or another bind error.
+    """
+    first, last = ports
+    for port in range(first, last + 1):
+        try:
+            return _serve(registry, port, addr)
+        except OSError as exc:
+            # another worker of this host has it: the next port is this worker's to try
+            if exc.errno != errno.EADDRINUSE or port == last:
+                raise
+    raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
+
+
 def serve_store_metrics(
     manager: RedisClaimManager,
     *,
@@ -252,11 +274,14 @@ def serve_store_metrics(
 
 
 def worker_registry(runtime: Any, *, store: bool = True) -> CollectorRegistry:
-    """A registry with the worker's collector (and the store's, with ``store``)."""
+    """A registry with the worker's collector (and the store's, with ``store``, with the
+    limits of the worker's ``claims_lanes``, as ``celery claims metrics`` exports them)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(WorkerCollector(runtime))
     if store:
-        registry.register(StoreCollector(runtime.manager))
+        lanes = getattr(getattr(runtime, "settings", None), "lanes", ())
+        limits = {spec.name: spec.limit for spec in lanes}
+        registry.register(StoreCollector(runtime.manager, lane_limits=limits))
     return registry
 
 
@@ -267,7 +292,7 @@ _servers: dict[int, Any] = {}
 def install_metrics(
     app: Any,
     *,
-    port: int | None = None,
+    port: int | str | tuple[int, int] | None = None,
     addr: str = "127.0.0.1",
     store: bool = True,
     on_serving: Callable[[int], None] | None = None,
@@ -278,11 +303,17 @@ def install_metrics(
     process, where the claim gate and the lease keeper count, so prefork children need no
     multiprocess mode.
 
+    Each worker needs a port of its own: with a range (the default ``claims_metrics_port``,
+    ``"9808-9817"``) each worker of a host takes the first free port of it, so a Prometheus
+    job listing the range's ports finds every worker, told apart by the ``worker`` label;
+    a single port suits one worker per host (or ``--claims-metrics-port`` per worker); 0
+    takes any free port. The port taken is logged (``celery-claims metrics of worker ... on
+    http://...``). A worker that finds no free port logs an error and runs without one.
+
     Args:
         app: the Celery app.
-        port: TCP port (default: the app's ``claims_metrics_port`` setting, else 9808); one
-            port per worker, so give each worker on a host its own (``claims_metrics_port``
-            can be set per worker through the environment of its config module).
+        port: a port, a range ``"first-last"`` / ``(first, last)``, or 0 (default: the
+            worker's ``claims_metrics_port`` setting).
         addr: address to listen on.
         store: also export the fleet-wide claim store view.
         on_serving: called with the bound port once serving (for tests and logs).
@@ -290,14 +321,12 @@ def install_metrics(
     Raises:
         InvalidArgument: a bad port or address.
     """
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
-        raise InvalidArgument("port", f"must be an int, got {port!r:.80}")
+    ports = None if port is None else parse_ports(port, key="port")
     if not isinstance(addr, str) or not addr:
         raise InvalidArgument("addr", f"must be a non-empty str, got {addr!r:.80}")
     if getattr(app, "_celery_claims_metrics", False):
         return
     app._celery_claims_metrics = True
-    conf = app.conf
     from celery.signals import worker_ready
 
     def start(sender: Any = None, **_: Any) -> None:
@@ -307,13 +336,31 @@ def install_metrics(
         if runtime is None:
             logger.warning("celery-claims metrics: install(app) has not run; nothing to export")
             return
+        chosen = ports if ports is not None else runtime.settings.metrics_port
         with _servers_lock:
             if id(runtime) in _servers:
                 return
-            chosen = port if port is not None else int(conf.get("claims_metrics_port", 9808))
-            server, bound = _serve(worker_registry(runtime, store=store), chosen, addr)
+            try:
+                server, bound = _serve_first(worker_registry(runtime, store=store), chosen, addr)
+            except OSError as exc:
+                where = f"{chosen[0]}" if chosen[0] == chosen[1] else f"{chosen[0]}-{chosen[1]}"
+                logger.error(
+                    "celery-claims metrics: worker %s cannot listen on %s:%s (%s); it runs "
+                    "without an exporter. Give each worker of a host its own port: a range "
+                    "in claims_metrics_port (e.g. '9808-9817'), --claims-metrics-port, or 0",
+                    runtime.hostname,
+                    addr,
+                    where,
+                    exc.strerror or exc,
+                )
+                return
             _servers[id(runtime)] = server
-        logger.info("celery-claims metrics on http://%s:%d/metrics", addr, bound)
+        logger.info(
+            "celery-claims metrics of worker %s on http://%s:%d/metrics",
+            runtime.hostname,
+            addr,
+            bound,
+        )
         if on_serving is not None:
             on_serving(bound)
 

@@ -3,8 +3,10 @@
 The claim store answers "who holds this claim, until when, is it done". It does not remember
 the copies a worker did *not* run. The **journal** does: a short, capped, expiring list per
 Celery task id of the gate's decisions about copies (skipped because done, held because another
-lease is live or the store was down, taken over, lease lost), written by receivers of the
-worker's signals (:func:`connect_journal`) and read by ``celery claims inspect``.
+lease is live or the store was down, waiting for a slot of a full lane, taken over, lease lost,
+released after a failure), written by receivers of the worker's signals
+(:func:`connect_journal`) and read by ``celery claims inspect`` and ``celery claims list``
+(which tell a claim waiting for its lane from one running, :func:`mark_waiting`).
 
 Key, for prefix ``P``: ``P:journal:{<escaped task id>}``, a list of JSON events, newest first,
 capped at :data:`JOURNAL_MAX_EVENTS` and expiring :data:`DEFAULT_JOURNAL_TTL_MS` after the last
@@ -18,8 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from celery_claims.claims.keys import QueueKeys, escape, require_prefix
@@ -41,6 +43,7 @@ __all__ = [
     "find_claims",
     "journal_key",
     "lane_occupancy",
+    "mark_waiting",
     "server_now_ms",
 ]
 
@@ -91,9 +94,11 @@ class ClaimView:
         queue: the queue the claim is in.
         task_id: the Celery task id.
         attempt: ``"<retries>.<replaced nesting>"`` (``"0.0"`` for the first attempt).
-        state: ``"running"`` (live lease), ``"expired"`` (lease ran out, not yet taken over
-            or cleaned up), ``"done"`` (completion recorded) or ``"given_up"`` (taken over
-            too often: a poison task, never run again while the record is kept).
+        state: ``"running"`` (live lease), ``"waiting"`` (live lease, the copy waits for a
+            slot of its full lane: see :func:`mark_waiting`), ``"expired"`` (lease ran out,
+            not yet taken over or cleaned up), ``"done"`` (completion recorded) or
+            ``"given_up"`` (taken over too often: a poison task, never run again while the
+            record is kept).
         owner: the execution attempt (``hostname/pid/nonce``) that holds or completed it; for
             ``given_up``, the last one whose lease ran out.
         instance: the fencing number (0 for ``given_up``: the record has none).
@@ -102,6 +107,7 @@ class ClaimView:
         until_ms: epoch ms the lease ends, or the record is kept until.
         remaining_ms: lease left (``running``), else 0.
         takeovers: for ``given_up``, the takeovers granted before it was given up, else 0.
+        lane: for ``waiting``, the lane it waits for, else empty.
     """
 
     queue: str
@@ -114,6 +120,15 @@ class ClaimView:
     until_ms: int
     remaining_ms: int
     takeovers: int = 0
+    lane: str = ""
+
+    @property
+    def claim_id(self) -> str:
+        """``queue/task:retries:nesting``, as the journal names the claim."""
+        retries, _, nesting = self.attempt.partition(".")
+        if not nesting:
+            return f"{self.queue}/{self.task_id}"
+        return f"{self.queue}/{self.task_id}:{retries}:{nesting}"
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready form."""
@@ -233,6 +248,37 @@ def find_claims(
     return views
 
 
+def mark_waiting(
+    views: Iterable[ClaimView], journals: Mapping[str, Sequence[JournalEvent]]
+) -> list[ClaimView]:
+    """``views`` with every live claim whose copy waits for a lane slot marked ``"waiting"``.
+
+    A copy is claimed before it waits for its lane, so the claim store alone shows it as
+    running. The worker journals when a copy starts waiting for a full lane (``waiting``) and
+    when it gets its slot (``lane_slot``): a live claim whose latest such event, for the same
+    claim and fencing number, is ``waiting`` has not reached the pool.
+
+    Args:
+        views: claim views (any state; only ``running`` ones can change).
+        journals: task id -> its journal, oldest first (:meth:`Journal.read_many`).
+    """
+    marked = []
+    for view in views:
+        if view.state == "running":
+            last = None
+            for event in journals.get(view.task_id, ()):
+                if (
+                    event.event in ("waiting", "lane_slot")
+                    and event.claim_id == view.claim_id
+                    and event.instance == view.instance
+                ):
+                    last = event
+            if last is not None and last.event == "waiting":
+                view = replace(view, state="waiting", lane=last.reason)
+        marked.append(view)
+    return marked
+
+
 # --- lanes --------------------------------------------------------------------------------
 
 
@@ -334,11 +380,15 @@ class JournalEvent:
     Attributes:
         at_ms: epoch ms (the worker's clock) of the decision.
         event: ``"skipped"`` (acked without running), ``"held"`` (kept unacked),
-            ``"took_over"`` (ran after another owner's lease expired), ``"lease_lost"``
-            (fenced while running), or ``"acquired"`` (ran; only with ``record_acquired``).
+            ``"waiting"`` (claimed, waiting for a slot of its full lane), ``"lane_slot"`` (got
+            the slot it waited for: to the pool), ``"took_over"`` (ran after another owner's
+            lease expired), ``"lease_lost"`` (fenced while running), ``"released"`` (the
+            attempt ended without success, its claim released: a later copy runs it again),
+            or ``"acquired"`` (ran; only with ``record_acquired``).
         reason: for ``skipped``: ``"done"`` or ``"given_up"`` (a poison task); for ``held``:
             ``"held"`` (another lease is live) or ``"unavailable"`` (the claim store was
-            down); else empty.
+            down); for ``waiting`` and ``lane_slot``: the lane; for ``released``: why (e.g.
+            ``"failed (ValueError)"``, ``"revoked"``, ``"hard time limit"``); else empty.
         worker: the worker's node name.
         claim_id: ``queue/task:retries:nesting``.
         other: the other party: the holder (``held``), the completing owner (``skipped``, or
@@ -376,6 +426,21 @@ class JournalEvent:
             return f"taken over by {self.worker}{previous} (instance {self.instance})"
         if self.event == "lease_lost":
             return f"lease lost on {self.worker} (instance {self.instance}): result fenced"
+        if self.event == "waiting":
+            return (
+                f"claimed on {self.worker} (instance {self.instance}), waiting for a slot of "
+                f"lane {self.reason} (full)"
+            )
+        if self.event == "lane_slot":
+            return (
+                f"got a slot of lane {self.reason} on {self.worker} (instance "
+                f"{self.instance}): handed to the pool"
+            )
+        if self.event == "released":
+            return (
+                f"ended without success on {self.worker}: {self.reason} (instance "
+                f"{self.instance}); claim released, a later copy runs it again"
+            )
         return f"run by {self.worker} (instance {self.instance})"
 
 
@@ -387,6 +452,9 @@ class Journal:
         prefix: the claim key prefix.
         ttl_ms: how long a journal is kept after its last event.
         max_events: events kept per task.
+        call_soon: schedules a call on the worker's event loop (``consumer.call_soon``):
+            :meth:`record_soon` then writes every event of one loop turn in one round trip;
+            without it :meth:`record_soon` writes at once.
 
     Raises:
         InvalidArgument: a bad prefix, ttl or cap.
@@ -399,6 +467,7 @@ class Journal:
         *,
         ttl_ms: int = DEFAULT_JOURNAL_TTL_MS,
         max_events: int = JOURNAL_MAX_EVENTS,
+        call_soon: Callable[[Callable[[], None]], object] | None = None,
     ) -> None:
         self.client = client
         self.prefix = require_prefix(prefix)
@@ -407,6 +476,9 @@ class Journal:
                 raise InvalidArgument(name, f"must be a positive int, got {value!r:.80}")
         self.ttl_ms = ttl_ms
         self.max_events = max_events
+        self.call_soon = call_soon
+        self._pending: list[tuple[str, JournalEvent]] = []
+        self._pending_lock = threading.Lock()
 
     def record(self, task_id: str, event: JournalEvent) -> None:
         """Add ``event`` to the journal of ``task_id`` (one pipelined round trip).
@@ -415,12 +487,45 @@ class Journal:
             InvalidArgument: a bad task id.
             BackendUnavailable: Redis cannot be reached.
         """
+        self._write([(journal_key(self.prefix, task_id), event)])
+
+    def record_soon(self, task_id: str, event: JournalEvent) -> None:
+        """Add ``event`` on the next turn of the worker's loop, with every other event of
+        this turn, in one round trip (at once without ``call_soon``). From any thread.
+
+        Raises:
+            InvalidArgument: a bad task id.
+            BackendUnavailable: Redis cannot be reached (only when written at once).
+        """
         key = journal_key(self.prefix, task_id)
+        if self.call_soon is None:
+            self._write([(key, event)])
+            return
+        with self._pending_lock:
+            first = not self._pending
+            self._pending.append((key, event))
+        if first:
+            self.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write the events :meth:`record_soon` keeps (one round trip); never raises."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        try:
+            self._write(pending)
+        except Exception as exc:
+            # the journal is an aid: a lost batch must never disturb the worker's loop
+            logger.debug("celery-claims journal: %d event(s) not recorded: %r", len(pending), exc)
+
+    def _write(self, items: Sequence[tuple[str, JournalEvent]]) -> None:
         with translate_errors():
             pipe = self.client.pipeline(transaction=False)
-            pipe.lpush(key, json.dumps(asdict(event), separators=(",", ":")))
-            pipe.ltrim(key, 0, self.max_events - 1)
-            pipe.pexpire(key, self.ttl_ms)
+            for key, event in items:
+                pipe.lpush(key, json.dumps(asdict(event), separators=(",", ":")))
+                pipe.ltrim(key, 0, self.max_events - 1)
+                pipe.pexpire(key, self.ttl_ms)
             pipe.execute()
 
     def read(self, task_id: str) -> list[JournalEvent]:
@@ -431,16 +536,34 @@ class Journal:
             InvalidArgument: a bad task id.
             BackendUnavailable: Redis cannot be reached.
         """
-        key = journal_key(self.prefix, task_id)
+        return self.read_many([task_id])[task_id]
+
+    def read_many(self, task_ids: Iterable[str]) -> dict[str, list[JournalEvent]]:
+        """The journals of ``task_ids``, oldest first, in one pipelined round trip.
+
+        Raises:
+            InvalidArgument: a bad task id.
+            BackendUnavailable: Redis cannot be reached.
+        """
+        ids = list(dict.fromkeys(task_ids))
+        keys = [journal_key(self.prefix, task_id) for task_id in ids]
+        if not keys:
+            return {}
         with translate_errors():
-            raw = self.client.lrange(key, 0, -1)
-        events = []
-        for item in reversed(raw):
-            try:
-                events.append(JournalEvent(**json.loads(_text(item))))
-            except (ValueError, TypeError):
-                continue
-        return events
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.lrange(key, 0, -1)
+            replies = pipe.execute()
+        journals: dict[str, list[JournalEvent]] = {}
+        for task_id, raw in zip(ids, replies, strict=True):
+            events = []
+            for item in reversed(raw):
+                try:
+                    events.append(JournalEvent(**json.loads(_text(item))))
+                except (ValueError, TypeError):
+                    continue
+            journals[task_id] = events
+        return journals
 
 
 # --- wiring to the worker's signals -------------------------------------------------------
@@ -466,13 +589,16 @@ def _journal_of(request: Any) -> Journal | None:
     return journal if isinstance(journal, Journal) else None
 
 
-def _write(request: Any, event: JournalEvent) -> None:
+def _write(request: Any, event: JournalEvent, *, soon: bool = False) -> None:
     journal = _journal_of(request)
     task_id = getattr(request, "id", None)
     if journal is None or not isinstance(task_id, str) or not task_id:
         return
     try:
-        journal.record(task_id, event)
+        if soon:
+            journal.record_soon(task_id, event)
+        else:
+            journal.record(task_id, event)
     except Exception as exc:
         # the journal is an aid: never let it disturb the gate (receivers run in its loop)
         logger.debug("celery-claims journal: could not record %s: %r", event.event, exc)
@@ -517,11 +643,15 @@ def _on_held(
     reason: str = "",
     claim_id: str = "",
     holder: str | None = None,
+    lane: str = "",
+    instance: int = 0,
     **_: Any,
 ) -> None:
     if reason == "lane":
-        # waiting for a lane slot is the normal queueing of a limited lane, not a skipped
-        # copy; journaling it would add a round trip to every message of a full lane
+        # claimed but not running: what `claims list/inspect` must not call running. Written
+        # with the rest of the loop turn (one round trip per lane pass, not per message)
+        event = JournalEvent(_now_ms(), "waiting", lane, _hostname(request), claim_id, "", instance)
+        _write(request, event, soon=True)
         return
     _write(
         request,
@@ -554,6 +684,39 @@ def _on_acquired(
     )
 
 
+def _on_lane_slot(
+    sender: Any = None,
+    request: Any = None,
+    claim_id: str = "",
+    lane: str = "",
+    instance: int = 0,
+    **_: Any,
+) -> None:
+    event = JournalEvent(_now_ms(), "lane_slot", lane, _hostname(request), claim_id, "", instance)
+    _write(request, event, soon=True)
+
+
+def _on_released(
+    sender: Any = None,
+    request: Any = None,
+    token: Any = None,
+    claim_id: str = "",
+    reason: str = "",
+    **_: Any,
+) -> None:
+    # a failed attempt leaves no claim nor record: without this `inspect` knows nothing
+    event = JournalEvent(
+        _now_ms(),
+        "released",
+        reason,
+        _hostname(request),
+        claim_id,
+        "",
+        int(getattr(token, "instance", 0) or 0),
+    )
+    _write(request, event, soon=True)
+
+
 def _on_lease_lost(sender: Any = None, request: Any = None, token: Any = None, **_: Any) -> None:
     _write(
         request,
@@ -576,7 +739,13 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if not isinstance(manager, RedisClaimManager) or app is None:
         return
-    journal = Journal(manager.client, manager.prefix, ttl_ms=_options.ttl_ms)
+    call_soon = getattr(sender, "call_soon", None)
+    journal = Journal(
+        manager.client,
+        manager.prefix,
+        ttl_ms=_options.ttl_ms,
+        call_soon=call_soon if callable(call_soon) else None,
+    )
     setattr(app, _APP_ATTR, journal)
 
 
@@ -596,14 +765,17 @@ def journal_connected() -> bool:
 def connect_journal(*, record_acquired: bool = False, ttl_ms: int = DEFAULT_JOURNAL_TTL_MS) -> None:
     """Record the claim gate's decisions about copies in the journal (idempotent).
 
-    Connects receivers to ``task_skipped``, ``task_held``, ``claim_acquired`` (takeovers,
-    and every acquisition with ``record_acquired``) and ``lease_lost``, and to Celery's
+    Connects receivers to ``task_skipped``, ``task_held`` (including copies waiting for a
+    full lane), ``lane_slot``, ``claim_acquired`` (takeovers, and every acquisition with
+    ``record_acquired``), ``lease_lost`` and ``claim_released``, and to Celery's
     ``worker_ready``, where each worker's journal is bound to its claim store. Call it in the
     module that creates the app, next to ``celery_claims.install(app)``.
 
     Each recorded event costs the worker one pipelined round trip to the claim store, in the
     consumer loop; copies that are skipped or held, takeovers and lease losses are rare, so the
-    default adds nothing to a task that simply runs.
+    default adds nothing to a task that simply runs. Lane waits and released claims are
+    written on the next loop turn, every event of one turn in one round trip: a lane pass
+    that holds or admits many messages costs one round trip more, not one per message.
 
     Args:
         record_acquired: also record every copy that ran (one more round trip per task).
@@ -628,6 +800,8 @@ def connect_journal(*, record_acquired: bool = False, ttl_ms: int = DEFAULT_JOUR
         signals.task_held.connect(_on_held, weak=False)
         signals.claim_acquired.connect(_on_acquired, weak=False)
         signals.lease_lost.connect(_on_lease_lost, weak=False)
+        signals.lane_slot.connect(_on_lane_slot, weak=False)
+        signals.claim_released.connect(_on_released, weak=False)
         worker_ready.connect(_on_worker_ready, weak=False)
         _connected["journal"] = True
 
@@ -644,6 +818,11 @@ def describe_views(views: Iterable[ClaimView]) -> list[str]:
             lines.append(
                 f"{v.queue}: attempt {v.attempt} given up as poison (takeovers: {v.takeovers}, "
                 f"last holder {v.owner})"
+            )
+        elif v.state == "waiting":
+            lines.append(
+                f"{v.queue}: attempt {v.attempt} claimed by {v.owner} (instance {v.instance}), "
+                f"waiting for a slot of lane {v.lane}; lease {v.remaining_ms / 1000:.1f} s left"
             )
         elif v.state == "running":
             lines.append(

@@ -5,7 +5,8 @@ mapping), so the same rules serve ``celery claims check`` and a worker that chec
 it starts. Each :class:`Finding` names the setting, says what goes wrong and how to fix it.
 
 This module imports neither Celery nor kombu: the defaults it assumes for unset Celery keys are
-spelled here (Celery 5.x values).
+spelled here (Celery 5.x values); the ``claims_*`` ones come from :mod:`celery_claims.config`.
+The broker is the one Celery resolves (``CELERY_BROKER_URL``, ``celery -b``) on an ``app.conf``.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from celery_claims.config import broker_url, resolve
 from celery_claims.errors import InvalidArgument
 
 __all__ = [
     "CELERY_DEFAULT_PREFETCH_MULTIPLIER",
     "KOMBU_DEFAULT_VISIBILITY_TIMEOUT_S",
+    "POOLS_WITHOUT_TIME_LIMITS",
     "Finding",
     "Severity",
     "check_settings",
@@ -34,10 +37,9 @@ CELERY_DEFAULT_PREFETCH_MULTIPLIER = 4
 #: ratio the lease no longer decides how long a crashed worker's task waits.
 TAKEOVER_DELAY_RATIO = 10
 
-# Claim setting defaults, read from the settings module's constants without importing it (it
-# belongs to the Celery integration); kept equal by tests/cli/test_safety.py.
-_DEFAULT_LEASE_MS = 60_000
-_DEFAULT_RENEW_INTERVAL_MS = 15_000
+#: Celery pools that never stop a task at its time limit (hard or soft): Celery enforces them
+#: with signals in prefork pool processes and with ``gevent.Timeout`` (hard limit only) in gevent.
+POOLS_WITHOUT_TIME_LIMITS = frozenset({"threads", "solo", "eventlet"})
 
 _REDIS_BROKERS = ("redis://", "rediss://", "sentinel://", "redis+socket://", "socket://")
 
@@ -49,6 +51,9 @@ class Severity(str, enum.Enum):
     ERROR = "error"
     #: Claims still hold, but work is duplicated, delayed or held needlessly.
     WARNING = "warning"
+    #: What the worker's pool does not do, and what celery-claims does instead: nothing to
+    #: fix in the settings (strict mode does not refuse to start on it).
+    NOTICE = "notice"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,21 +85,19 @@ def _number(conf: Any, key: str, default: float | None) -> float | None:
 
 
 def _broker_url(conf: Any) -> str:
-    url = conf.get("broker_url", None)
-    if isinstance(url, (list, tuple)):
-        url = url[0] if url else None
-    if not isinstance(url, str):
-        return ""
-    # a failover list "redis://a;redis://b" has one transport
-    return url.split(";")[0].strip()
+    # the broker the worker really consumes from: CELERY_BROKER_URL and `celery -b` included
+    return broker_url(conf) or ""
 
 
-def check_settings(conf: Mapping[str, Any] | Any) -> list[Finding]:
+def check_settings(conf: Mapping[str, Any] | Any, *, pool: str | None = None) -> list[Finding]:
     """Report the settings of ``conf`` that weaken or defeat claims.
 
     Args:
         conf: a Celery ``app.conf`` or any mapping of lower-case setting names (only ``get``
             is used; unset keys take Celery's and celery-claims' defaults).
+        pool: the worker's pool by Celery's name (``"prefork"``, ``"threads"``, ``"solo"``,
+            ``"gevent"``, ``"eventlet"``), to report what it does not enforce; default: the
+            configuration's ``worker_pool`` (Celery's default, prefork, when unset).
 
     Returns:
         The findings, errors first; empty when nothing is unsafe.
@@ -118,11 +121,13 @@ def check_settings(conf: Mapping[str, Any] | Any) -> list[Finding]:
             )
         )
 
-    lease_ms = _number(conf, "claims_lease_ms", _DEFAULT_LEASE_MS)
-    renew_ms = _number(conf, "claims_renew_interval_ms", _DEFAULT_RENEW_INTERVAL_MS)
-    assert lease_ms is not None
-    assert renew_ms is not None
-    refresh = conf.get("claims_refresh_unacked", True)
+    # read as the worker reads them: a renew interval not given follows the lease
+    claims = resolve(
+        conf, keys=("claims_lease_ms", "claims_renew_interval_ms", "claims_refresh_unacked")
+    )
+    lease_ms = claims["claims_lease_ms"]
+    renew_ms = claims["claims_renew_interval_ms"]
+    refresh = claims["claims_refresh_unacked"]
 
     if _broker_url(conf).startswith(_REDIS_BROKERS):
         options = conf.get("broker_transport_options", None) or {}
@@ -234,8 +239,50 @@ def check_settings(conf: Mapping[str, Any] | Any) -> list[Finding]:
                 "Set result_backend_always_retry = True.",
             )
         )
-    findings.sort(key=lambda f: f.severity != Severity.ERROR)
+    findings.extend(_pool_findings(pool or conf.get("worker_pool", None) or "prefork", hard, soft))
+    order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.NOTICE: 2}
+    findings.sort(key=lambda f: order[f.severity])
     return findings
+
+
+def _pool_findings(pool: object, hard: float | None, soft: float | None) -> list[Finding]:
+    # said even without a global limit: tasks may have their own (time_limit=...)
+    if not isinstance(pool, str):
+        return []
+    limit = (
+        f" (task_time_limit {hard:g} s)"
+        if hard is not None
+        else f" (task_soft_time_limit {soft:g} s)"
+        if soft is not None
+        else ""
+    )
+    after = (
+        "celery-claims stops renewing a task's claim once its time limit has passed (the "
+        "message's, the task's or task_time_limit), so the claim expires within "
+        "claims_lease_ms and another copy takes the task over; the hung copy runs on, and "
+        "if it ever ends its result is discarded (fenced)."
+    )
+    if pool in POOLS_WITHOUT_TIME_LIMITS:
+        return [
+            Finding(
+                "worker_pool",
+                Severity.NOTICE,
+                f"the {pool} pool does not enforce time limits: a task past its limit{limit} "
+                f"is not stopped. {after} Use the prefork pool where a hung task "
+                f"must be stopped.",
+            )
+        ]
+    if pool == "gevent":
+        return [
+            Finding(
+                "worker_pool",
+                Severity.NOTICE,
+                f"the gevent pool enforces the hard time limit only while the task yields to "
+                f"gevent, and no soft limit: a task blocked past its limit{limit} is not "
+                f"stopped. {after}",
+            )
+        ]
+    return []
 
 
 def _server(url: str) -> tuple[str, int | None] | None:

@@ -2,17 +2,40 @@
 
 Tests never use the machine's shared Redis for state they assert on: every session starts its
 own ``redis-server`` processes on free ports and stops them by pid at the end.
+
+Celery's fixtures come from pytest-celery (``celery_app``, ``celery_config``, the ``celery``
+marker, ...); its 1.x ``celery_worker`` starts a Docker container, so it is shadowed here by
+the in-process worker of ``celery.contrib.pytest``. The package's own plugin
+(``celery_claims.testing``) is loaded as users load it.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
+from celery.contrib.testing.worker import start_worker
 
 from tests.servers import RedisClusterNodes, RedisServer
+
+pytest_plugins = ["celery_claims.testing"]
+
+
+@pytest.fixture
+def celery_worker(
+    celery_app: Any,
+    celery_includes: Any,
+    celery_worker_pool: Any,
+    celery_worker_parameters: Any,
+) -> Iterator[Any]:
+    """An in-process worker of ``celery_app`` (``celery.contrib.pytest``'s, not Docker's)."""
+    for module in celery_includes:
+        celery_app.loader.import_task_module(module)
+    with start_worker(celery_app, pool=celery_worker_pool, **celery_worker_parameters) as w:
+        yield w
 
 
 @pytest.fixture(scope="session")

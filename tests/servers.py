@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -93,11 +94,15 @@ class RedisServer:
         self._clients.append(client)
         return client
 
+    def port_args(self) -> list[str]:
+        """The listening arguments (a TLS server listens on its TLS port only)."""
+        return ["--port", str(self.port)]
+
     def start(self) -> RedisServer:
         assert self.binary is not None
         args = [
             self.binary,
-            "--port", str(self.port),
+            *self.port_args(),
             "--bind", "127.0.0.1",
             "--dir", str(self.dir),
             "--save", "",
@@ -222,3 +227,183 @@ class RedisClusterNodes:
         self._clients.clear()
         for server in self.servers:
             server.cleanup()
+
+
+def make_certificates(directory: Path, name: str = "server") -> dict[str, Path]:
+    """A private CA and a server certificate it signed (for 127.0.0.1 and localhost).
+
+    Returns the paths under ``ca``, ``cert`` and ``key``; made with ``openssl`` (EC keys,
+    fast to generate), valid for two days.
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        missing_service("openssl on PATH")
+    assert openssl is not None
+    ca, ca_key = directory / f"{name}-ca.crt", directory / f"{name}-ca.key"
+    cert, key, csr = directory / f"{name}.crt", directory / f"{name}.key", directory / "req.csr"
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for command in (
+        [openssl, "req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2",
+         "-subj", f"/CN=celery-claims test CA {name}"],
+        [openssl, "req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=localhost"],
+        [openssl, "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+         "-out", cert, "-days", "2", "-extfile", ext],
+    ):  # fmt: skip
+        subprocess.run([str(part) for part in command], check=True, capture_output=True)
+    return {"ca": ca, "cert": cert, "key": key}
+
+
+class TlsRedisServer(RedisServer):
+    """A private ``redis-server`` that speaks TLS only, with certificates of its own CA."""
+
+    def __init__(self, extra_args: Sequence[str] = ()) -> None:
+        super().__init__(extra_args)
+        self.certs = make_certificates(self.dir)
+
+    def port_args(self) -> list[str]:
+        return [
+            "--port", "0",
+            "--tls-port", str(self.port),
+            "--tls-cert-file", str(self.certs["cert"]),
+            "--tls-key-file", str(self.certs["key"]),
+            "--tls-ca-cert-file", str(self.certs["ca"]),
+            "--tls-auth-clients", "no",
+        ]  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        """The server's URL with Celery's own spelling of the TLS options."""
+        return (
+            f"rediss://127.0.0.1:{self.port}/0?ssl_cert_reqs=CERT_REQUIRED"
+            f"&ssl_ca_certs={quote(str(self.certs['ca']), safe='')}"
+        )
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        client = redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            ssl=True,
+            ssl_ca_certs=str(self.certs["ca"]),
+            **kwargs,  # type: ignore[arg-type]
+        )
+        self._clients.append(client)
+        return client
+
+
+class UnixRedisServer(RedisServer):
+    """A private ``redis-server`` listening on a Unix socket (and on TCP, for inspection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.socket = self.dir / "redis.sock"
+        self.extra_args += ["--unixsocket", str(self.socket), "--unixsocketperm", "700"]
+
+    @property
+    def socket_url(self) -> str:
+        """kombu's form of the socket URL (``redis+socket://``), a Celery broker URL."""
+        return f"redis+socket://{self.socket}"
+
+
+class RedisSentinels:
+    """A master, one replica and three ``redis-server --sentinel`` processes watching it."""
+
+    MASTER = "claims-master"
+
+    def __init__(self, sentinels: int = 3) -> None:
+        self.master = RedisServer(["--repl-diskless-sync", "yes",
+                                   "--repl-diskless-sync-delay", "0"])  # fmt: skip
+        self.replica = RedisServer(["--replicaof", "127.0.0.1", str(self.master.port),
+                                    "--repl-diskless-load", "swapdb"])  # fmt: skip
+        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        self.dir = Path(tempfile.mkdtemp(prefix="claims-sentinels-"))
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._clients: list[redis.Redis] = []
+
+    @property
+    def url(self) -> str:
+        """Celery's Sentinel URL form: ``sentinel://h:p;sentinel://h:p;.../0``."""
+        return ";".join(f"sentinel://127.0.0.1:{port}" for port in self.sentinel_ports) + "/0"
+
+    @property
+    def options(self) -> dict[str, object]:
+        """The ``claims_redis_options`` of a store on these Sentinels."""
+        return {"master_name": self.MASTER}
+
+    def sentinel(self, index: int = 0) -> redis.Redis:
+        client = redis.Redis(port=self.sentinel_ports[index], decode_responses=True)
+        self._clients.append(client)
+        return client
+
+    def master_port(self) -> int:
+        """The port of the server the Sentinels call the master now."""
+        address = self.sentinel().sentinel_get_master_addr_by_name(self.MASTER)
+        return int(address[1])
+
+    def start(self) -> RedisSentinels:
+        self.master.start()
+        self.replica.start()
+        for port in self.sentinel_ports:
+            conf = self.dir / f"sentinel-{port}.conf"
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                f"sentinel monitor {self.MASTER} 127.0.0.1 {self.master.port} 2\n"
+                f"sentinel down-after-milliseconds {self.MASTER} 1000\n"
+                f"sentinel failover-timeout {self.MASTER} 5000\n"
+                f"sentinel parallel-syncs {self.MASTER} 1\n"
+            )
+            log = self.dir / f"sentinel-{port}.log"
+            assert self.master.binary is not None
+            self.procs.append(
+                subprocess.Popen(
+                    [self.master.binary, str(conf), "--sentinel", "--logfile", str(log)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                # every Sentinel knows the master, the replica and the other Sentinels (a
+                # failover needs them), and the replica is in sync
+                ready = (
+                    all(
+                        len(self.sentinel(i).sentinel_sentinels(self.MASTER)) == len(self.procs) - 1
+                        and len(self.sentinel(i).sentinel_slaves(self.MASTER)) == 1
+                        for i in range(len(self.procs))
+                    )
+                    and self.replica.client().info("replication").get("master_link_status") == "up"
+                )
+                if ready:
+                    return self
+            except redis.exceptions.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    "the Sentinels did not see the master, the replica and each other"
+                )
+            time.sleep(0.1)
+
+    def failover(self) -> int:
+        """``SENTINEL FAILOVER``; returns the new master's port once the Sentinels report it."""
+        old = self.master_port()
+        self.sentinel().execute_command("SENTINEL", "FAILOVER", self.MASTER)
+        deadline = time.monotonic() + 30
+        while (new := self.master_port()) == old:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Sentinels did not fail over")
+            time.sleep(0.05)
+        return new
+
+    def cleanup(self) -> None:
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+        self.replica.cleanup()
+        self.master.cleanup()
+        shutil.rmtree(self.dir, ignore_errors=True)

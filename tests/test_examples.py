@@ -32,3 +32,19 @@ def test_the_quickstart_runs_against_its_own_private_redis() -> None:
 @pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir()))
 def test_every_example_has_a_readme(example: str) -> None:
     assert (EXAMPLES / example / "README.md").is_file()
+
+
+def test_the_testing_example_passes_under_the_projects_pytest_configuration() -> None:
+    # Given the example's tests, run as a user runs them (its conftest loads the plugin)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples/testing"],
+        cwd=EXAMPLES.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+    # Then both pass, under filterwarnings = error and --strict-markers
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout

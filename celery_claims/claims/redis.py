@@ -18,13 +18,14 @@ from typing import Any, Generic, TypeAlias, TypeVar
 
 import redis
 import redis.exceptions as redis_errors
-from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
-from redis.retry import Retry
 
 from celery_claims.claims.keys import DEFAULT_PREFIX, QueueKeys, queues_key, require_prefix
 from celery_claims.claims.status import token_error
 from celery_claims.clock import Clock
+from celery_claims.connection import close as close_client
+from celery_claims.connection import connect
+from celery_claims.connection import parse as parse_store
 from celery_claims.errors import (
     BackendError,
     BackendUnavailable,
@@ -60,16 +61,6 @@ _T = TypeVar("_T")
 
 #: A standalone or cluster redis-py client.
 RedisClient: TypeAlias = "redis.Redis | redis.RedisCluster"
-
-#: Connect timeout of a client built from ``url=``: a claim gate must not stall on a dead host.
-CONNECT_TIMEOUT_S = 2.0
-
-#: Read timeout of a client built from ``url=``; scripts are O(batch), far below this.
-SOCKET_TIMEOUT_S = 5.0
-
-#: Retries of a client built from ``url=`` on connection errors (redis-py's default backs off
-#: for seconds, which would block a worker's consumer loop while the store is down).
-URL_RETRIES = 2
 
 #: Expired claims removed per script call by ``cleanup_expired``; bounds each call's run time.
 CLEANUP_BATCH = 500
@@ -148,9 +139,11 @@ class RedisClaimManager:
     """Claim manager backed by Redis (standalone or Cluster).
 
     Args:
-        url: a ``redis://`` or ``rediss://`` URL; a standalone client is created from it with
-            bounded timeouts and retries (``CONNECT_TIMEOUT_S``, ``SOCKET_TIMEOUT_S``,
-            ``URL_RETRIES``), so an outage is reported in well under a second or two.
+        url: a store URL in any form :func:`celery_claims.connect` takes
+            (``redis://``, ``rediss://``, ``unix://``, ``sentinel://``, ``redis+cluster://``);
+            the client gets the package's one timeout and retry policy.
+        options: client options for ``url`` (``master_name``, ``ssl_*``, ``username``, ...;
+            see :mod:`celery_claims.connection`).
         client: an existing ``redis.Redis`` or ``redis.RedisCluster`` (instead of ``url``).
         prefix: the first part of every key; must not contain ``{`` or ``}``.
         clock: returns epoch ms; ``None`` (the default) uses the Redis server's clock.
@@ -169,6 +162,7 @@ class RedisClaimManager:
         self,
         *,
         url: str | None = None,
+        options: Mapping[str, Any] | None = None,
         client: RedisClient | None = None,
         prefix: str = DEFAULT_PREFIX,
         clock: Clock | None = None,
@@ -179,6 +173,8 @@ class RedisClaimManager:
             raise InvalidArgument("url", "pass exactly one of url= and client=")
         if client is None and (not isinstance(url, str) or not url):
             raise InvalidArgument("url", f"must be a non-empty str, got {url!r:.80}")
+        if options is not None and client is not None:
+            raise InvalidArgument("options", "options go with url=, not with client=")
         if clock is not None and not callable(clock):
             raise InvalidArgument("clock", "must be a callable returning epoch ms, or None")
         require_ms("wait_timeout_ms", wait_timeout_ms)
@@ -193,12 +189,10 @@ class RedisClaimManager:
         self._owns_client = client is None
         if client is None:
             assert url is not None
-            client = redis.Redis.from_url(
-                url,
-                socket_connect_timeout=CONNECT_TIMEOUT_S,
-                socket_timeout=SOCKET_TIMEOUT_S,
-                retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), URL_RETRIES),
-            )
+            spec = parse_store(url, options)
+            if wait_replicas and spec.kind == "cluster":
+                raise InvalidArgument("wait_replicas", "WAIT is supported on standalone Redis only")
+            client = connect(url, options)
         self.client: RedisClient = client
         self._clock = clock
         self._wait = (wait_replicas, wait_timeout_ms)
@@ -212,7 +206,7 @@ class RedisClaimManager:
     def close(self) -> None:
         """Close the client if this manager created it from ``url=`` (a passed one is yours)."""
         if self._owns_client:
-            self.client.close()
+            close_client(self.client)
 
     def __enter__(self) -> RedisClaimManager:
         return self

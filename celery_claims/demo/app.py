@@ -69,7 +69,9 @@ if CLAIMS:
     if METRICS_PORT:
         from celery_claims.metrics import install_metrics
 
-        install_metrics(app, port=int(METRICS_PORT))
+        # a port, or a range "first-last" from which each worker takes the first free port
+        app.conf.claims_metrics_port = METRICS_PORT
+        install_metrics(app)
 
 _log: redis.Redis | None = None
 

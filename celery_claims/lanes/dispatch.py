@@ -143,7 +143,8 @@ def claim_due_for_lane(
     The original's algorithm: a lane with limit 0 claims nothing without calling the store;
     otherwise list claimable tasks (at most ``limit``), count the active ones, and hand every
     listed task of this lane to the store as a candidate; the store claims as many as the lane
-    still has room for when it claims.
+    still has room for when it claims. When no listed task is this lane's, it returns before
+    the second clock read and never asks the store to claim.
 
     Args:
         store: the product store.
@@ -176,6 +177,9 @@ def claim_due_for_lane(
     if available_capacity(lane_config.limit, active) == 0:
         return []
     candidates = _candidates(due, lane_config, task_lane)
+    if not candidates:
+        # the original returns here: every listed task was another lane's
+        return []
     claimed_at = _read_clock(clock)
     lease_expires_at = claimed_at + stale
     claimed = store.claim_candidates_for_lane(
@@ -210,6 +214,9 @@ async def aclaim_due_for_lane(
     if available_capacity(lane_config.limit, active) == 0:
         return []
     candidates = _candidates(due, lane_config, task_lane)
+    if not candidates:
+        # the original returns here: every listed task was another lane's
+        return []
     claimed_at = _read_clock(clock)
     lease_expires_at = claimed_at + stale
     claimed = await store.claim_candidates_for_lane(

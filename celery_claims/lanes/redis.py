@@ -24,7 +24,15 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from celery_claims.errors import CodecError, InvalidValueError, IoError, TaskCoreError
+from celery_claims.connection import close as close_client
+from celery_claims.connection import connect
+from celery_claims.errors import (
+    CodecError,
+    InvalidArgument,
+    InvalidValueError,
+    IoError,
+    TaskCoreError,
+)
 from celery_claims.lanes import _validate as check
 from celery_claims.lanes.dispatch import Clock, utc_now
 from celery_claims.lanes.keys import LaneKeys, check_prefix, member, task_index_key
@@ -139,7 +147,8 @@ class RedisTaskClaimStore:
     """A lane store in Redis or Redis Cluster.
 
     Args:
-        url: a Redis URL, for a client the store creates (and closes in :meth:`close`).
+        url: a store URL in any form :func:`celery_claims.connect` takes, for a
+            client the store creates (and closes in :meth:`close`).
         client: a ``redis.Redis`` or ``redis.RedisCluster`` to use; either decoding mode works.
         lanes: the lanes the store serves; kinds and lane keys are non-empty ``str``.
         prefix: the first part of every key (no braces).
@@ -169,9 +178,9 @@ class RedisTaskClaimStore:
             if not isinstance(url, str):
                 raise InvalidValueError(f"url must be a str, got {url!r}")
             try:
-                client = redis.Redis.from_url(url)
-            except ValueError as exc:
-                raise InvalidValueError(f"not a Redis URL: {url!r}: {exc}") from exc
+                client = connect(url)
+            except InvalidArgument as exc:
+                raise InvalidValueError(f"not a Redis URL: {exc}") from exc
         self.client: RedisClient = client
         self._index = task_index_key(self.prefix)
         # A task's lane and kind never change once its id is indexed, so they can be cached:
@@ -188,7 +197,7 @@ class RedisTaskClaimStore:
     def close(self) -> None:
         """Close the client if the store created it from ``url=``."""
         if self._owns_client:
-            self.client.close()
+            close_client(self.client)
 
     def lane_keys(self, lane_key: str) -> LaneKeys:
         """The keys of the lane named ``lane_key`` (for inspection and tests)."""

@@ -3,6 +3,7 @@
 Only this subpackage imports Celery; the claim core does not.
 """
 
+from celery_claims.worker.consumer import ClaimsConsumerMixin
 from celery_claims.worker.guard import ClaimUnverified, StaleCopy, current_claim
 from celery_claims.worker.install import install
 from celery_claims.worker.lifecycle import Copy, State
@@ -11,6 +12,8 @@ from celery_claims.worker.settings import ClaimsSettings, LaneSpec, load_setting
 from celery_claims.worker.signals import (
     Counters,
     claim_acquired,
+    claim_released,
+    lane_slot,
     lease_lost,
     task_held,
     task_skipped,
@@ -20,6 +23,7 @@ from celery_claims.worker.tasks import CLEANUP_TASK_NAME
 __all__ = [
     # installation
     "install",
+    "ClaimsConsumerMixin",
     # settings
     "ClaimsSettings",
     "LaneSpec",
@@ -35,6 +39,8 @@ __all__ = [
     "Counters",
     # signals
     "claim_acquired",
+    "claim_released",
+    "lane_slot",
     "lease_lost",
     "task_held",
     "task_skipped",

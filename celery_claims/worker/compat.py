@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import celery
 import kombu
@@ -22,13 +23,16 @@ from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils import json
 
 from celery_claims.claims.redis import ScriptCall
+from celery_claims.connection import server_of
 
 __all__ = [
     "TESTED",
     "Delivery",
     "check_versions",
     "forget_delivery",
+    "pool_name",
     "refresh_unacked",
+    "restore_sweep",
     "result_ready",
     "shares_delivery_tags",
     "store_is_broker",
@@ -124,6 +128,52 @@ def refresh_unacked(deliveries: Iterable[Delivery]) -> int:
     return sent
 
 
+#: Celery's pool modules (``celery.concurrency.<module>``) by the names ``-P`` takes.
+_POOL_MODULES = {
+    "prefork": "prefork",
+    "thread": "threads",
+    "solo": "solo",
+    "gevent": "gevent",
+    "eventlet": "eventlet",
+}
+
+
+def pool_name(pool_cls: Any) -> str:
+    """Celery's name of a worker's pool class (``w.pool_cls``): ``"prefork"``, ``"threads"``,
+    ``"solo"``, ``"gevent"``, ``"eventlet"``; ``""`` for any other (a custom pool)."""
+    module = str(getattr(pool_cls, "__module__", "") or "")
+    package, _, leaf = module.rpartition(".")
+    if package != "celery.concurrency":
+        return ""
+    return _POOL_MODULES.get(leaf, "")
+
+
+def restore_sweep(connection: Any) -> tuple[Callable[[], object], float] | None:
+    """kombu's restore sweep of a Redis broker connection and its period in seconds, or None.
+
+    kombu's Redis transport restores the unacked messages of dead consumers (score older than
+    ``visibility_timeout`` in ``unacked_index``) from its event loop: ``register_with_event_loop``
+    calls ``MultiChannelPoller.maybe_restore_messages`` every ``unacked_restore_interval``
+    seconds. A consumer without the event loop (Celery's ``synloop``: the gevent and eventlet
+    pools) only tries after a poll that saw nothing, which never happens while ``BRPOP``
+    answers every ``brpop_timeout``: there the sweep never runs (kombu 5.3 to 5.7). Returns
+    the same bound method and period kombu's loop would use (the throttle,
+    ``unacked_restore_throttle``, and the cross-worker mutex are applied inside it); None
+    for another transport.
+    """
+    transport = getattr(connection, "transport", None)
+    cycle = getattr(transport, "cycle", None)
+    sweep = getattr(cycle, "maybe_restore_messages", None)
+    if not callable(sweep) or getattr(transport, "driver_type", None) != "redis":
+        return None
+    options = getattr(connection, "transport_options", None) or {}
+    default = getattr(getattr(transport, "Channel", None), "unacked_restore_interval", 10)
+    interval = options.get("unacked_restore_interval", default)
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
+        interval = default  # as kombu does for a non-positive interval
+    return sweep, float(interval)
+
+
 def forget_delivery(request: Any) -> bool:
     """Let a Redis delivery go in this worker only, leaving the broker's record alone.
 
@@ -148,16 +198,23 @@ def forget_delivery(request: Any) -> bool:
     return True
 
 
-def _server_of(client: Any) -> tuple[Any, ...] | None:
-    """(host, port, unix path, database) of a standalone redis-py client, else None."""
-    pool = getattr(client, "connection_pool", None)
-    kwargs = getattr(pool, "connection_kwargs", None)
-    if not isinstance(kwargs, dict):
-        return None  # a Cluster client, or something else
-    host, path = kwargs.get("host"), kwargs.get("path")
-    if host is None and path is None:
-        return None  # a Sentinel pool: its server is not known until it asks
-    return (host, kwargs.get("port"), path, int(kwargs.get("db") or 0))
+#: (host, port, unix path, database) of a standalone client; None for Cluster and Sentinel.
+_server_of = server_of
+
+
+def _broker_server(conn: Any) -> tuple[Any, ...] | None:
+    """(host, port, unix path, database) of a kombu Redis connection, read from its URL."""
+    if conn.transport_cls not in ("redis", "rediss"):
+        return None  # Sentinel (its master moves), or not Redis at all
+    host = str(conn.hostname or "")
+    if "://" in host:
+        # redis+socket:///path?virtual_host=N: kombu keeps "socket:///path?..." as the host
+        parts = urlsplit(host)
+        query = parse_qs(parts.query)
+        db = (query.get("virtual_host") or query.get("db") or ["0"])[-1]
+        return (None, None, unquote(parts.path), int(db.strip("/") or 0))
+    vhost = str(conn.virtual_host or "").strip("/") or "0"
+    return (host or "127.0.0.1", conn.port or 6379, None, int(vhost))
 
 
 def store_is_broker(app: Any, store_client: Any) -> bool:
@@ -167,12 +224,10 @@ def store_is_broker(app: Any, store_client: Any) -> bool:
     again (a False here only costs speed: the record is then written on its own).
     """
     store = _server_of(store_client)
+    if store is None:
+        return False
     try:
-        conn = app.connection_for_write()
-        if conn.transport_cls not in ("redis", "rediss") or store is None:
-            return False
-        vhost = str(conn.virtual_host or "").strip("/") or "0"
-        broker = (conn.hostname, conn.port or 6379, None, int(vhost))
+        broker = _broker_server(app.connection_for_write())
     except Exception:  # an unreadable broker URL: Celery reports it, not this check
         return False
     return broker == store

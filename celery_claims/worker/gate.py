@@ -37,7 +37,7 @@ from celery_claims.worker.guard import REQUEST_KEY, is_guarded
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
 from celery_claims.worker.lifecycle import Copy
 from celery_claims.worker.pipe import StorePipe
-from celery_claims.worker.policy import is_exempt
+from celery_claims.worker.policy import is_exempt, time_limit_of
 from celery_claims.worker.runtime import ClaimsRuntime
 
 __all__ = ["ClaimGate"]
@@ -300,6 +300,8 @@ class ClaimGate:
         # The request dict is what the pool hands to the tracer (pickled to a prefork child),
         # which builds ``self.request`` from it: this is how task code sees its claim.
         request.request_dict[REQUEST_KEY] = TaskClaim.of(copy.token, copy.lease_ms)
+        # read now: `celery control time_limit` may have changed the task's since it arrived
+        copy.time_limit_s = time_limit_of(request, request.task, self.runtime.time_limits)
         self._wrap(copy)
         self.inner(request)
 

@@ -16,9 +16,11 @@ wrapper runs in the process that runs the body:
   failure after the body can never make the attempt run again, and a stale copy (another
   copy owns the task) raises :class:`StaleCopy` instead of storing its result. Where the
   claim store is the Redis broker's own server, the worker's ack writes the record in the
-  same script (``lifecycle.py``), and the record is left to it when nothing can fail after
-  the body (no result to store, no callback, chord or ``on_success`` of the task's own,
-  ``acks_late``) and the lease handed to the pool cannot have run out;
+  same script (``lifecycle.py``); when nothing can fail after the body (no result to
+  store, no callback, chord or ``on_success`` of the task's own, ``acks_late``) and the lease
+  handed to the pool cannot have run out, a prefork pool process sends the record without
+  waiting for its reply instead of making the round trip, so a main process paused or
+  killed before its ack cannot let the task run again;
 - after the body raised, the same check as before the body.
 
 A store that does not answer is waited for (bounded by ``claims_start_timeout_ms``), then
@@ -29,6 +31,7 @@ decides what happens to the message.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -36,13 +39,14 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import redis
 from celery import current_task
 from celery.app.task import Context, Task
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_logger
 
-from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.claims.redis import RedisClaimManager, ScriptCall
 from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
 from celery_claims.fencing import TaskClaim
 from celery_claims.worker.policy import is_exempt
@@ -140,6 +144,8 @@ class _Verifier:
         self._parent_manager = manager
         self._manager: RedisClaimManager | None = None
         self._pid = -1
+        self._sender: _RecordSender | None = None
+        self._sender_pid = -1
         self._lock = threading.Lock()
 
     def manager(self) -> RedisClaimManager:
@@ -177,6 +183,29 @@ class _Verifier:
         """True if the worker's ack will write this attempt's record (module docstring)."""
         return self.ack_records and _surely_held(claim) and _nothing_after_body(task)
 
+    def send_record(self, claim: TaskClaim) -> None:
+        """Write the attempt's record from a prefork pool process without waiting for it.
+
+        The worker's ack writes the record too (and removes the delivery), but only once the
+        main process gets the result: a main process paused or killed after the body
+        returned would let the lease run out and the task run again. Sent here, before the
+        result leaves the pool process, the record is on its way whatever happens to the main
+        process after that. Best effort: where it cannot be sent, the ack records it.
+        """
+        if os.getpid() == self._parent_pid:
+            return  # solo and threads pools: the body and the ack share one process
+        manager = self.manager()
+        try:
+            call = manager.complete_call(claim.token(), self.settings.done_ttl_ms)
+        except ClaimError:
+            return
+        with self._lock:
+            if self._sender is None or self._sender_pid != os.getpid():
+                self._sender = _RecordSender()
+                self._sender_pid = os.getpid()
+            sender = self._sender
+        sender.send(manager, call)
+
     def record_done(self, claim: TaskClaim) -> Verdict:
         """Record the completion of the attempt (see :func:`~.recovery.record_done`).
 
@@ -211,6 +240,59 @@ class _Verifier:
                     raise
                 time.sleep(delay_s)
                 delay_s = min(delay_s * 2, self.settings.unavailable_retry_max_ms / 1000)
+
+
+class _RecordSender:
+    """A pool process's connection for records sent without waiting for their replies.
+
+    Replies are read later, as they come (before each send), and never waited for. A reply
+    that is an error (``NOSCRIPT`` after a store restart, ``LOADING``) only means that record
+    was not written: the worker's ack writes it. Standalone stores only: a Sentinel or
+    Cluster client chooses its server per command, so its records go with the ack alone.
+    """
+
+    #: Replies left unread after which the connection is dropped (a store that went silent).
+    MAX_UNREAD = 64
+
+    def __init__(self) -> None:
+        self._conn: Any = None
+        self._unread = 0
+
+    def send(self, manager: RedisClaimManager, call: ScriptCall[Any]) -> bool:
+        """Send ``call``; False if it could not be sent (nothing is retried)."""
+        pool = getattr(manager.client, "connection_pool", None)
+        if type(pool) is not redis.ConnectionPool:
+            return False
+        try:
+            if self._conn is None:
+                self._conn = pool.make_connection()
+            self._read_arrived()
+            self._conn.send_command(
+                "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
+            )
+            self._unread += 1
+            return True
+        except (redis.RedisError, OSError) as exc:
+            logger.debug("completion record not sent ahead of the ack: %r", exc)
+            self._reset()
+            return False
+
+    def _read_arrived(self) -> None:
+        conn = self._conn
+        while self._unread and conn.can_read(timeout=0):
+            self._unread -= 1
+            try:
+                conn.read_response()
+            except redis.ResponseError as exc:
+                logger.debug("a completion record sent ahead of the ack failed: %s", exc)
+        if self._unread > self.MAX_UNREAD:
+            self._reset()
+
+    def _reset(self) -> None:
+        conn, self._conn, self._unread = self._conn, None, 0
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.disconnect()
 
 
 def _surely_held(claim: TaskClaim) -> bool:
@@ -259,6 +341,7 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
         # happens to the result (a result backend outage fails the task after its body
         # returned), a later copy of this attempt is acknowledged without running.
         if verifier.leaves_record_to_ack(task, claim):
+            verifier.send_record(claim)
             return retval
         try:
             verdict = verifier.record_done(claim)

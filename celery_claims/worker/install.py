@@ -7,7 +7,7 @@ from typing import Any
 from celery_claims.observe import connect_journal, journal_connected
 from celery_claims.worker.guard import declare_request_key
 from celery_claims.worker.settings import add_worker_options
-from celery_claims.worker.steps import Gate, LeaseKeeper
+from celery_claims.worker.steps import Gate, LeaseKeeper, Sweep
 from celery_claims.worker.tasks import connect_schedule, register_cleanup_task
 
 __all__ = ["install"]
@@ -19,7 +19,8 @@ _INSTALLED = "_celery_claims_installed"
 def install(app: Any) -> Any:
     """Make every worker of ``app`` claim each task before running it.
 
-    Adds the lease keeper (worker bootstep) and the claim gate (consumer bootstep), the
+    Adds the lease keeper (worker bootstep), the claim gate and, for pools without an event
+    loop, the Redis broker's restore sweep (consumer bootsteps), the
     ``--claims-*`` worker options, the ``celery_claims.cleanup_expired`` task and its beat
     entry, and connects the journal of skipped copies
     (:func:`celery_claims.observe.connect_journal`, which writes only for copies that are
@@ -31,15 +32,21 @@ def install(app: Any) -> Any:
 
     Returns:
         ``app``, for chaining.
+
+    Raises:
+        InvalidArgument: ``app`` is finalized already and its ``claims_cleanup_interval_s``
+            is invalid (nothing is installed).
     """
     if getattr(app, _INSTALLED, False):
         return app
+    # first: on a finalized app it validates claims_cleanup_interval_s, before any change
+    connect_schedule(app)
     declare_request_key()
     app.steps["worker"].add(LeaseKeeper)
     app.steps["consumer"].add(Gate)
+    app.steps["consumer"].add(Sweep)
     add_worker_options(app)
     register_cleanup_task(app)
-    connect_schedule(app)
     if not journal_connected():
         # keep options a user set with an earlier connect_journal(...) call
         connect_journal()

@@ -9,10 +9,16 @@ exactly while a long task needs its lease renewed. Each beat it:
    (:mod:`celery_claims.worker.recovery`) and stops the copy only if another one owns it;
 2. renews the lane slots of running tasks;
 3. retries completions the claim store could not take;
-4. gives up copies the pool has not started within ``claims_start_timeout_ms``;
+4. gives up copies the pool has not started within ``claims_start_timeout_ms``, and stops
+   renewing copies running past their time limit (which not every pool enforces);
 5. with the Redis broker, refreshes the score of every claimed or held delivery in kombu's
    ``unacked_index``, so kombu does not restore a message whose holder is alive (a dead
    holder stops refreshing, and its message is restored after ``visibility_timeout``).
+
+Between two beats the keeper also wakes for claims whose own lease (a per-task
+``claims_lease_ms``) is too short for its period: such a claim is renewed every quarter of its
+lease (:meth:`~celery_claims.worker.settings.ClaimsSettings.renew_interval_for`), and a wake
+renews, in the same batches, every claim past half of its own period.
 
 Every decision about a copy is the lifecycle's (:mod:`celery_claims.worker.lifecycle`); the
 keeper only asks the store and reports.
@@ -20,6 +26,7 @@ keeper only asks the store and reports.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import defaultdict
@@ -52,6 +59,8 @@ class Keeper:
         self._thread: threading.Thread | None = None
         self._stop_at: float | None = None
         self._unavailable_since: float | None = None
+        # a claim acquired with a lease shorter than the period must not wait for the next beat
+        self.life.wake_keeper = self._wake.set
 
     def start(self) -> None:
         """Start the keeper thread (once)."""
@@ -73,18 +82,44 @@ class Keeper:
         self._wake.set()
 
     def _run(self) -> None:
-        interval_s = self.settings.renew_interval_ms / 1000
+        period_s = self.settings.renew_interval_ms / 1000
+        next_beat = 0.0
         while True:
             stop_at = self._stop_at
             if stop_at is not None and (not self.life.renewed() or time.monotonic() > stop_at):
                 self.runtime.close()
                 return
+            now = time.monotonic()
             try:
-                self.beat()
+                if now >= next_beat:
+                    next_beat = now + period_s
+                    self.beat()
+                else:
+                    self._renew(self._due(now))
             except Exception:
                 logger.exception("Lease keeper beat failed")
-            if self._wake.wait(interval_s):
+            wait_s = min(next_beat, self._next_due()) - time.monotonic()
+            if self._wake.wait(max(wait_s, 0.0)):
                 self._wake.clear()
+
+    def _period_s(self, copy: Copy) -> float:
+        return self.settings.renew_interval_for(copy.lease_ms) / 1000
+
+    def _due(self, now: float) -> list[Copy]:
+        """The claims past half of their own renew period (a wake between beats)."""
+        return [c for c in self.life.renewed() if now >= c.renew_sent_at + self._period_s(c) / 2]
+
+    def _next_due(self) -> float:
+        """When the next claim with a period shorter than the keeper's must be renewed."""
+        period_s = self.settings.renew_interval_ms / 1000
+        return min(
+            (
+                c.renew_sent_at + self._period_s(c)
+                for c in self.life.renewed()
+                if c.token is not None and self._period_s(c) < period_s
+            ),
+            default=math.inf,
+        )
 
     def beat(self) -> None:
         """One keeper beat (see the module docstring)."""
@@ -95,16 +130,23 @@ class Keeper:
             self.runtime.lanes.heartbeat(slots)
         for copy in self.life.copies(State.COMPLETING):
             self.life.complete_deferred(copy)
-        for copy in self.life.started_late(time.monotonic()):
+        now = time.monotonic()
+        for copy in self.life.started_late(now):
             self.life.start_overdue(copy)
+        for copy in self.life.overran(now):
+            self.life.time_limit_passed(copy)
         if self.settings.refresh_unacked:
             self.refresh_deliveries()
 
     def _renew(self, copies: list[Copy]) -> None:
         groups: dict[tuple[str, int], list[Copy]] = defaultdict(list)
+        sent = time.monotonic()
         for copy in copies:
             if copy.token is not None:
                 groups[(copy.token.queue_id, copy.lease_ms)].append(copy)
+                # taken as sent even if the store is down: retried one period later, not
+                # in a loop (the lease counts from the store's answer, later than this)
+                copy.renew_sent_at = sent
         for (queue_id, lease_ms), group in groups.items():
             try:
                 results = self.runtime.manager.renew(
@@ -127,10 +169,7 @@ class Keeper:
 
     def refresh_deliveries(self) -> None:
         """Set the ``unacked_index`` score of claimed and held Redis deliveries to now."""
-        live = self.life.copies(
-            State.HELD, State.WAITING, State.QUEUED, State.RUNNING, State.COMPLETING
-        )
-        deliveries = [c.delivery for c in live if c.delivery is not None]
+        deliveries = [c.delivery for c in self.life.refreshed() if c.delivery is not None]
         if not deliveries:
             return
         try:

@@ -286,6 +286,15 @@ class WorkerLanes:
         self.counters.incr("lane_acquired")
         logger.debug("Lane %s: slot for claim %s", lane.name, waiter.claim.claim_id)
         assert self.dispatch is not None
+        if waiter.held:
+            # it was reported waiting (task_held): report that it waits no more
+            signals.lane_slot.send(
+                sender=waiter.request.task,
+                request=waiter.request,
+                claim_id=waiter.claim.claim_id,
+                lane=lane.name,
+                instance=waiter.claim.instance,
+            )
         self.dispatch(waiter.claim, LaneSlot(lane, waiter.ticket))
 
     def _hold_rest(self, lane: Lane) -> None:
@@ -315,6 +324,8 @@ class WorkerLanes:
                 claim_id=waiter.claim.claim_id,
                 holder=None,
                 recheck_s=recheck_s,
+                lane=lane.name,
+                instance=waiter.claim.instance,
             )
 
     # --- timers -----------------------------------------------------------------------------

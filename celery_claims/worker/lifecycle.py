@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import math
 import os
 import signal
 import threading
@@ -142,8 +143,15 @@ class Copy:
             acked where it has a delivery of its own).
         handed_back: its message was handed back to the broker already.
         recorded: its completion is recorded (by its pool process): stop renewing.
+        renew_sent_at: when its claim was granted or its last renewal sent
+            (``time.monotonic()``); the keeper renews it one period of its own lease later.
         deferred_ack: the ack that waits for the completion record (made once it is written).
         ride_tag: its delivery tag while Celery's coming ack is to write its completion.
+        time_limit_s: its time limit (hard, else soft; the message's, the task's or the
+            worker's), or None.
+        renew_until: when its claim stops being renewed (``time.monotonic()``): its start
+            plus its time limit, which some pools do not enforce (:meth:`Lifecycle.overran`).
+        overran: it ran past its time limit (reported once).
     """
 
     request: Any
@@ -164,8 +172,12 @@ class Copy:
     other_owner: bool = False
     handed_back: bool = False
     recorded: bool = False
+    renew_sent_at: float = 0.0
     deferred_ack: Callable[[], object] | None = None
     ride_tag: Any = None
+    time_limit_s: float | None = None
+    renew_until: float = math.inf
+    overran: bool = False
 
     @property
     def claim_id(self) -> str:
@@ -276,6 +288,8 @@ class Lifecycle:
         self._lock = threading.Lock()
         self._copies: dict[int, Copy] = {}
         self.ride_acks = False
+        #: wakes the lease keeper (set by it): a claim's lease is too short for its period
+        self.wake_keeper: Callable[[], object] = lambda: None
         self._riding: dict[Any, tuple[Copy, BrokerRide]] = {}
         if lanes is not None:
             lanes.slots = self.slots
@@ -311,9 +325,50 @@ class Lifecycle:
             return [c for c in self._copies.values() if c.state in states]
 
     def renewed(self) -> list[Copy]:
-        """The copies whose claims the keeper renews."""
+        """The copies whose claims the keeper renews (not those past their time limit)."""
+        now = time.monotonic()
         with self._lock:
-            return [c for c in self._copies.values() if c.state in RENEWED and not c.recorded]
+            return [
+                c
+                for c in self._copies.values()
+                if c.state in RENEWED and not c.recorded and not _past_limit(c, now)
+            ]
+
+    def refreshed(self) -> list[Copy]:
+        """The copies whose Redis deliveries the keeper keeps from being restored: claimed or
+        held ones, not those past their time limit (their message must come back)."""
+        now = time.monotonic()
+        live = (State.HELD, State.WAITING, State.QUEUED, State.RUNNING, State.COMPLETING)
+        return [c for c in self.copies(*live) if not _past_limit(c, now)]
+
+    def overran(self, now: float) -> list[Copy]:
+        """Running copies past their time limit, not reported yet (:meth:`time_limit_passed`)."""
+        return [c for c in self.copies(State.RUNNING) if not c.overran and _past_limit(c, now)]
+
+    def time_limit_passed(self, copy: Copy) -> None:
+        """A running copy passed its time limit: its claim is no longer renewed.
+
+        The prefork pool stops such a task itself (hard limit); the threads, solo and eventlet
+        pools never do, and gevent only when the task yields. A hung task must not hold its
+        claim for ever, so its lease runs out and (with the Redis broker, once
+        ``visibility_timeout`` has passed without a refresh) its message comes back and is
+        taken over. The copy is not stopped; if it ends after another copy took over, its
+        outcome is discarded (it is found stale when its completion is written).
+        """
+        if copy.overran:
+            return
+        copy.overran = True
+        self.counters.incr("time_limit_overruns")
+        request = copy.request
+        logger.warning(
+            "Claim %s: %s[%s] has run past its time limit (%g s), which this pool did not "
+            "enforce; its claim is no longer renewed: it expires within claims_lease_ms and "
+            "another copy takes the task over",
+            copy.claim_id,
+            request.name,
+            request.id,
+            copy.time_limit_s,
+        )
 
     def held(self) -> list[Copy]:
         """The copies held unacked now."""
@@ -369,6 +424,9 @@ class Lifecycle:
         assert result.token is not None
         took_over = isinstance(result, TookOver)
         copy.token = result.token
+        copy.renew_sent_at = time.monotonic()
+        if self.settings.renew_interval_for(copy.lease_ms) < self.settings.renew_interval_ms:
+            self.wake_keeper()
         copy.request.claim = copy
         self._cancel_timer(copy)
         self.slots.take_back(copy)
@@ -510,6 +568,8 @@ class Lifecycle:
 
     def started(self, copy: Copy) -> None:
         """The pool started the copy (``on_accepted``): ``QUEUED`` -> ``RUNNING``."""
+        if copy.time_limit_s is not None:
+            copy.renew_until = time.monotonic() + copy.time_limit_s
         self._move(copy, State.RUNNING, only_from=frozenset({State.QUEUED}))
 
     def succeeded(self, copy: Copy, celery_handler: Callable[[], object]) -> None:
@@ -888,6 +948,13 @@ class Lifecycle:
             return
         self.counters.incr("released")
         logger.debug("Claim %s: %s, released", copy.claim_id, why)
+        signals.claim_released.send(
+            sender=copy.request.task,
+            request=copy.request,
+            token=copy.token,
+            claim_id=copy.claim_id,
+            reason=why,
+        )
 
     def _go_stale(self, copy: Copy, why: str, *, other_owner: bool) -> bool:
         with self._lock:
@@ -1004,6 +1071,11 @@ class Lifecycle:
             fn(*args)
         else:
             self._consumer.call_soon(fn, *args)
+
+
+def _past_limit(copy: Copy, now: float) -> bool:
+    """True if a running copy has passed its time limit (its claim is no longer renewed)."""
+    return copy.state is State.RUNNING and now >= copy.renew_until
 
 
 def _quietly(ack: Callable[[], object], copy: Copy) -> None:

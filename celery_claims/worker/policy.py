@@ -7,7 +7,7 @@ from typing import Any
 from celery_claims.errors import InvalidArgument
 from celery_claims.worker.settings import ClaimsSettings
 
-__all__ = ["EXEMPT_PREFIXES", "check_task_policies", "is_exempt"]
+__all__ = ["EXEMPT_PREFIXES", "check_task_policies", "is_exempt", "time_limit_of"]
 
 #: Task name prefixes the gate never claims: Celery's own tasks and this package's.
 EXEMPT_PREFIXES = ("celery.", "celery_claims.")
@@ -18,6 +18,44 @@ def is_exempt(task: Any, name: str) -> bool:
     if name.startswith(EXEMPT_PREFIXES):
         return True
     return getattr(task, "claims", True) is False
+
+
+def _seconds(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        return None
+    return float(value)
+
+
+def time_limit_of(
+    request: Any, task: Any, worker_limits: tuple[float | None, float | None]
+) -> float | None:
+    """The time limit a request runs under, in seconds, as Celery resolves it; or None.
+
+    Each limit is the message's (``apply_async(time_limit=...)``), else the task's
+    (``time_limit`` / ``soft_time_limit``, which ``celery control time_limit`` changes), else
+    the worker's (``task_time_limit`` / ``--time-limit``). The hard limit counts when there is
+    one; otherwise the soft limit (a task with only a soft limit is expected to end at it).
+
+    Args:
+        request: the worker's ``Request`` (``time_limits`` is ``(soft, hard)``).
+        task: its task.
+        worker_limits: the worker's ``(soft, hard)`` defaults.
+    """
+    limits = getattr(request, "time_limits", None) or (None, None)
+    try:
+        soft_msg, hard_msg = limits
+    except (TypeError, ValueError):
+        soft_msg, hard_msg = None, None
+    soft_default, hard_default = worker_limits
+    hard = (
+        _seconds(hard_msg) or _seconds(getattr(task, "time_limit", None)) or _seconds(hard_default)
+    )
+    soft = (
+        _seconds(soft_msg)
+        or _seconds(getattr(task, "soft_time_limit", None))
+        or _seconds(soft_default)
+    )
+    return hard if hard is not None else soft
 
 
 def check_task_policies(app: Any, settings: ClaimsSettings) -> None:

@@ -6,6 +6,7 @@ import contextlib
 from typing import Any
 
 from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.connection import close as close_client
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.worker.lanes import WorkerLanes
 from celery_claims.worker.lifecycle import Copy, Lifecycle
@@ -52,6 +53,11 @@ class ClaimsRuntime:
             self.lanes = WorkerLanes(settings, store, self.counters)
         #: every delivered copy and its state
         self.life = Lifecycle(settings, self.manager, self.counters, self.lanes, hostname)
+        #: the worker's default ``(soft, hard)`` time limits (``task_*time_limit``, or the
+        #: ``celery worker`` options), set when the worker starts
+        self.time_limits: tuple[float | None, float | None] = (None, None)
+        #: the worker's pool, by Celery's name (``prefork``, ``threads``, ...), when known
+        self.pool_name = ""
 
     def live_claims(self) -> list[Copy]:
         """The copies whose claims are renewed right now."""
@@ -64,4 +70,4 @@ class ClaimsRuntime:
     def close(self) -> None:
         """Close the claim store connections (a later call would simply reconnect)."""
         with contextlib.suppress(Exception):
-            self.manager.client.close()
+            close_client(self.manager.client)

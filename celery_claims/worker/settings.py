@@ -1,20 +1,47 @@
-"""The ``claims_*`` settings: read once at worker start into a frozen dataclass, validated.
+"""The ``claims_*`` settings of a worker: read once at start into a frozen dataclass, validated.
 
-Every setting is a lower-case ``claims_*`` key read with ``app.conf.get(key, default)`` (not
-``app.add_defaults``, which would shadow Django-style ``CELERY_CLAIMS_*`` values), and most of
-them can also be given on the ``celery worker`` command line (``--claims-lease-ms 30000``); a
-command-line value wins over the configuration. ``docs/settings.md`` documents each key.
+The settings are declared in one table, :data:`celery_claims.config.SETTINGS`: how each is
+validated, defaulted (a setting the user did not give follows those they did) and documented.
+This module makes the worker's view of it: :class:`ClaimsSettings` (one attribute per row),
+:func:`load_settings`, and the ``celery worker`` options (``--claims-lease-ms 30000``; a
+command-line value wins over the configuration). ``docs/settings.md`` documents each key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import click
 
-from celery_claims.claims.keys import DEFAULT_PREFIX, require_prefix
+from celery_claims.claims.keys import DEFAULT_PREFIX
+from celery_claims.config import (
+    DEFAULT_CLEANUP_INTERVAL_S,
+    DEFAULT_CLEANUP_LIMIT,
+    DEFAULT_DONE_TTL_MS,
+    DEFAULT_HELD_RECHECK_MS,
+    DEFAULT_LANE_RECHECK_MS,
+    DEFAULT_LEASE_MS,
+    DEFAULT_MAX_TAKEOVERS,
+    DEFAULT_METRICS_PORTS,
+    DEFAULT_RENEW_INTERVAL_MS,
+    DEFAULT_SOCKET_TIMEOUT_MS,
+    DEFAULT_START_TIMEOUT_MS,
+    DEFAULT_UNAVAILABLE_RETRY_MAX_MS,
+    DEFAULT_UNAVAILABLE_RETRY_MS,
+    MIN_RENEW_INTERVAL_MS,
+    RENEWALS_PER_LEASE,
+    SETTINGS,
+    LaneSpec,
+    parse_lanes,
+    parse_ports,
+    resolve,
+    setting,
+)
+from celery_claims.connection import OPTIONS as CLIENT_OPTIONS
+from celery_claims.connection import parse as parse_store
 from celery_claims.errors import InvalidArgument
 
 __all__ = [
@@ -28,67 +55,15 @@ __all__ = [
     "DEFAULT_SOCKET_TIMEOUT_MS",
     "DEFAULT_UNAVAILABLE_RETRY_MAX_MS",
     "DEFAULT_UNAVAILABLE_RETRY_MS",
+    "WORKER_OPTION_NAMES",
     "ClaimsSettings",
     "LaneSpec",
+    "SettingRefused",
     "add_worker_options",
     "load_settings",
+    "parse_lanes",
+    "parse_ports",
 ]
-
-#: Lease of a claim: how long a crashed worker's task stays held before another takes it over.
-DEFAULT_LEASE_MS = 60_000
-#: How often the lease keeper renews every live claim of the worker (one round trip per queue).
-DEFAULT_RENEW_INTERVAL_MS = 15_000
-#: How long a completion record is kept, so later copies of a finished task are acked unrun.
-DEFAULT_DONE_TTL_MS = 24 * 3600 * 1000
-#: How often a copy held because another worker's lease is live is checked again.
-DEFAULT_HELD_RECHECK_MS = 5_000
-#: First retry delay for a copy held because the claim store is unreachable (then doubled).
-DEFAULT_UNAVAILABLE_RETRY_MS = 1_000
-#: Ceiling of that retry delay.
-DEFAULT_UNAVAILABLE_RETRY_MAX_MS = 30_000
-#: Socket connect/read timeout of the claim store client (the gate runs in the event loop).
-DEFAULT_SOCKET_TIMEOUT_MS = 5_000
-#: How often a worker re-checks a lane that is full while it holds messages waiting for it.
-DEFAULT_LANE_RECHECK_MS = 1_000
-#: Longest a claimed copy may wait in the pool without starting before it is given up, ms.
-DEFAULT_START_TIMEOUT_MS = 300_000
-#: Takeovers of one attempt after which it is given up as a poison task (its workers crash).
-DEFAULT_MAX_TAKEOVERS = 3
-#: Seconds between two ``celery_claims.cleanup_expired`` runs sent by beat.
-DEFAULT_CLEANUP_INTERVAL_S = 300.0
-#: Most expired claims one ``celery_claims.cleanup_expired`` run removes.
-DEFAULT_CLEANUP_LIMIT = 10_000
-
-#: Upper bound of every millisecond setting (about 24 days), far above any sane lease.
-_MAX_MS = 2**31 - 1
-#: Smallest renew interval accepted: anything shorter would hammer the claim store.
-_MIN_RENEW_INTERVAL_MS = 50
-
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
-#: Longest lane name: it becomes a Redis hash tag and a lane kind, which the store caps.
-_MAX_LANE_NAME = 200
-
-
-@dataclass(frozen=True)
-class LaneSpec:
-    """One lane of ``claims_lanes``: a fleet-wide limit on tasks of some Celery queues.
-
-    Attributes:
-        name: the lane's name (its key in ``claims_lanes``; names its keys in the store).
-        queues: the queues whose messages are in the lane.
-        limit: how many of the lane's tasks may run at once across the fleet (0 pauses it).
-        kinds: the task names in the lane, or ``None`` for every task of ``queues``.
-    """
-
-    name: str
-    queues: tuple[str, ...]
-    limit: int
-    kinds: frozenset[str] | None = None
-
-    def covers(self, queue: str, task_name: str) -> bool:
-        """Whether a message of ``task_name`` delivered from ``queue`` is in this lane."""
-        return queue in self.queues and (self.kinds is None or task_name in self.kinds)
 
 
 @dataclass(frozen=True)
@@ -97,9 +72,13 @@ class ClaimsSettings:
 
     Attributes:
         redis_url: URL of the claim store (``claims_redis_url``).
+        redis_options: client options of the claim store (``claims_redis_options``; see
+            :mod:`celery_claims.connection`).
+        redis_cluster: the claim store is a Redis Cluster (``claims_redis_cluster``).
         prefix: first part of every claim key (``claims_prefix``).
         lease_ms: lease of a claim (``claims_lease_ms``).
-        renew_interval_ms: lease keeper period (``claims_renew_interval_ms``).
+        renew_interval_ms: lease keeper period (``claims_renew_interval_ms``; derived from the
+            lease when not given).
         done_ttl_ms: retention of completion records (``claims_done_ttl_ms``).
         held_recheck_ms: re-check period of a copy held by another lease
             (``claims_held_recheck_ms``).
@@ -121,9 +100,14 @@ class ClaimsSettings:
             (``claims_start_timeout_ms``; at least ``claims_lease_ms``).
         max_takeovers: takeovers of one attempt before it is given up as poison
             (``claims_max_takeovers``; ``None``: never).
+        metrics_port: (first, last) ports the worker's metrics exporter tries in turn,
+            taking the first free one (``claims_metrics_port``: a port, ``"first-last"``, or
+            0 for any free port); read by :func:`celery_claims.metrics.install_metrics`.
     """
 
     redis_url: str
+    redis_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    redis_cluster: bool = False
     prefix: str = DEFAULT_PREFIX
     lease_ms: int = DEFAULT_LEASE_MS
     renew_interval_ms: int = DEFAULT_RENEW_INTERVAL_MS
@@ -140,43 +124,61 @@ class ClaimsSettings:
     strict_settings: bool = False
     start_timeout_ms: int = DEFAULT_START_TIMEOUT_MS
     max_takeovers: int | None = DEFAULT_MAX_TAKEOVERS
+    metrics_port: tuple[int, int] = DEFAULT_METRICS_PORTS
+
+    def renew_interval_for(self, lease_ms: int) -> int:
+        """How often a claim of ``lease_ms`` is renewed, in ms.
+
+        The keeper's period when the lease survives two of them (as ``claims_lease_ms``
+        must); otherwise, for a shorter per-task ``claims_lease_ms``, a quarter of the lease.
+        """
+        if 2 * self.renew_interval_ms < lease_ms:
+            return self.renew_interval_ms
+        return lease_ms // RENEWALS_PER_LEASE
 
     def check_task_lease(self, task_name: str, lease_ms: object) -> int:
-        """Validate a per-task ``claims_lease_ms`` attribute against the renew interval.
+        """Validate a per-task ``claims_lease_ms`` attribute.
+
+        Any lease the keeper can renew in time is accepted: a claim whose lease is not above
+        two keeper periods is renewed every quarter of its lease (:meth:`renew_interval_for`).
 
         Raises:
-            InvalidArgument: the lease is not an int in range, or not above two renew intervals.
+            InvalidArgument: the lease is not an int in range, or too short to renew.
         """
         key = f"{task_name}.claims_lease_ms"
-        value = _ms(key, lease_ms, minimum=1)
-        if value <= 2 * self.renew_interval_ms:
+        value: int = setting("claims_lease_ms").parse(key, lease_ms)
+        if self.renew_interval_for(value) < MIN_RENEW_INTERVAL_MS:
             raise InvalidArgument(
                 key,
-                f"{value} ms must be more than twice claims_renew_interval_ms "
-                f"({self.renew_interval_ms} ms), or one late renewal would lose the lease",
+                f"{value} ms is too short to renew: its claim is renewed every lease / "
+                f"{RENEWALS_PER_LEASE} and at most every {MIN_RENEW_INTERVAL_MS} ms; use at "
+                f"least {MIN_RENEW_INTERVAL_MS * RENEWALS_PER_LEASE} ms",
             )
         return value
 
 
-#: (setting, CLI type, help) of the settings reachable as ``celery worker`` options.
-_WORKER_OPTIONS: tuple[tuple[str, type, str], ...] = (
-    ("claims_redis_url", str, "URL of the claim store (default: the broker URL if Redis)."),
-    ("claims_prefix", str, "Prefix of every claim key."),
-    ("claims_lease_ms", int, "Lease of a claim in ms."),
-    ("claims_renew_interval_ms", int, "Lease keeper period in ms."),
-    ("claims_done_ttl_ms", int, "Retention of completion records in ms."),
-    ("claims_held_recheck_ms", int, "Re-check period of a copy held by another lease, ms."),
-    ("claims_unavailable_retry_ms", int, "First retry delay while the claim store is down, ms."),
-    ("claims_unavailable_retry_max_ms", int, "Ceiling of that retry delay, ms."),
-    ("claims_socket_timeout_ms", int, "Claim store socket timeouts in ms."),
-    ("claims_lane_recheck_ms", int, "Re-check period of a full lane, ms."),
-    ("claims_strict_settings", bool, "Refuse to start on an unsafe Celery setting."),
-    ("claims_start_timeout_ms", int, "Give up a claimed copy the pool has not started, ms."),
-    ("claims_max_takeovers", int, "Takeovers of one attempt before it is given up (-1: never)."),
-)
+class SettingRefused(InvalidArgument, click.ClickException):
+    """A ``claims_*`` setting that stops a worker from starting.
+
+    An :class:`InvalidArgument` (``name`` is the setting) that ``celery worker`` prints as one
+    line, ``Error: claims_lease_ms: ...``, and exits 1, instead of a traceback: click shows
+    its own exceptions that way.
+    """
+
+    def __init__(self, name: str, message: str) -> None:
+        InvalidArgument.__init__(self, name, message)
+        # click's half (its __init__ would reset args through the shared Exception base)
+        self.message = f"{name}: {message}"
+        self.show_color = None
+
+    @classmethod
+    def of(cls, error: InvalidArgument) -> SettingRefused:
+        """The refusal for ``error`` (same name and message)."""
+        return cls(error.name, str(error).removeprefix(f"{error.name}: "))
+
 
 #: Names of the settings a worker command-line option can override.
-WORKER_OPTION_NAMES = frozenset(name for name, _, _ in _WORKER_OPTIONS)
+WORKER_OPTION_NAMES = frozenset(row.key for row in SETTINGS if row.option is not None)
 
 
 def add_worker_options(app: Any) -> None:
@@ -185,47 +187,16 @@ def add_worker_options(app: Any) -> None:
     Idempotent: an option whose name is already registered is not added again.
     """
     existing = {getattr(opt, "name", None) for opt in app.user_options["worker"]}
-    for name, type_, help_text in _WORKER_OPTIONS:
-        if name in existing:
+    for row in SETTINGS:
+        if row.option is None or row.key in existing:
             continue
-        flag = "--" + name.replace("_", "-")
         app.user_options["worker"].add(
-            click.Option([flag, name], type=type_, default=None, help=help_text)
+            click.Option([row.flag, row.key], type=row.option, default=None, help=row.option_help)
         )
 
 
-def _ms(key: str, value: object, *, minimum: int = 0) -> int:
-    # bool is an int subclass: ``claims_lease_ms = True`` is a mistake, not one millisecond
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidArgument(key, f"must be an int number of milliseconds, got {value!r:.80}")
-    if not minimum <= value <= _MAX_MS:
-        raise InvalidArgument(key, f"must be between {minimum} and {_MAX_MS} ms, got {value}")
-    return value
-
-
-def _default_redis_url(conf: Any) -> str:
-    broker = conf.get("broker_url")
-    if isinstance(broker, str):
-        # a failover list "redis://a;redis://b": the claim store is the first one
-        first = broker.split(";")[0].strip()
-        if first.startswith(_REDIS_SCHEMES):
-            return first
-    raise InvalidArgument(
-        "claims_redis_url",
-        f"is required when the broker is not Redis (broker_url is {_scheme(broker)}...); "
-        "set it in the configuration or pass --claims-redis-url",
-    )
-
-
-def _scheme(url: object) -> str:
-    # never echo credentials from a URL into an error message
-    if isinstance(url, str) and "://" in url:
-        return url.split("://", 1)[0] + "://"
-    return repr(url)
-
-
 def load_settings(app: Any, overrides: Mapping[str, Any] | None = None) -> ClaimsSettings:
-    """Read and validate the ``claims_*`` settings of ``app``.
+    """Read and validate the ``claims_*`` settings of ``app`` (see :mod:`celery_claims.config`).
 
     Args:
         app: the Celery app.
@@ -235,204 +206,42 @@ def load_settings(app: Any, overrides: Mapping[str, Any] | None = None) -> Claim
         The frozen settings.
 
     Raises:
-        InvalidArgument: a setting is missing or invalid; ``name`` is the setting's key.
+        InvalidArgument: a setting is missing or invalid; ``name`` is the setting's key (the
+            one the user gave, never one derived from it).
     """
     conf = app.conf
-    given = {k: v for k, v in (overrides or {}).items() if v is not None}
-
-    def get(key: str, default: Any) -> Any:
-        return given[key] if key in given else conf.get(key, default)
-
-    url = get("claims_redis_url", None)
-    if url is None:
-        url = _default_redis_url(conf)
-    if not isinstance(url, str) or not url.startswith(_REDIS_SCHEMES):
-        raise InvalidArgument(
-            "claims_redis_url",
-            f"must be a redis://, rediss:// or unix:// URL, got {_scheme(url)}...",
-        )
-    try:
-        prefix = require_prefix(get("claims_prefix", DEFAULT_PREFIX))
-    except InvalidArgument as exc:
-        raise InvalidArgument("claims_prefix", str(exc).split(": ", 1)[-1]) from None
-
-    lease = _ms("claims_lease_ms", get("claims_lease_ms", DEFAULT_LEASE_MS), minimum=1)
-    renew = _ms(
-        "claims_renew_interval_ms",
-        get("claims_renew_interval_ms", DEFAULT_RENEW_INTERVAL_MS),
-        minimum=_MIN_RENEW_INTERVAL_MS,
+    values = resolve(conf, overrides)
+    url = values["claims_redis_url"]
+    options = dict(values["claims_redis_options"])
+    given_url = (overrides or {}).get("claims_redis_url") or conf.get("claims_redis_url")
+    if given_url is None:
+        _broker_options(conf, url, options)
+    # the URL and the client options together, checked here at worker start, never on the
+    # first task
+    parse_store(
+        url,
+        options,
+        cluster=values["claims_redis_cluster"],
+        url_name="claims_redis_url",
+        options_name="claims_redis_options",
     )
-    # a lease must survive one late or failed renewal: the keeper guarantees
-    # remaining >= lease - 2 * interval, which must stay positive
-    if 2 * renew >= lease:
-        raise InvalidArgument(
-            "claims_renew_interval_ms",
-            f"{renew} ms must be less than half of claims_lease_ms ({lease} ms)",
-        )
-    retry = _ms(
-        "claims_unavailable_retry_ms",
-        get("claims_unavailable_retry_ms", DEFAULT_UNAVAILABLE_RETRY_MS),
-        minimum=1,
-    )
-    retry_max = _ms(
-        "claims_unavailable_retry_max_ms",
-        get("claims_unavailable_retry_max_ms", DEFAULT_UNAVAILABLE_RETRY_MAX_MS),
-        minimum=1,
-    )
-    if retry_max < retry:
-        raise InvalidArgument(
-            "claims_unavailable_retry_max_ms",
-            f"{retry_max} ms is less than claims_unavailable_retry_ms ({retry} ms)",
-        )
-    refresh = get("claims_refresh_unacked", True)
-    if not isinstance(refresh, bool):
-        raise InvalidArgument("claims_refresh_unacked", f"must be a bool, got {refresh!r:.80}")
-    interval = get("claims_cleanup_interval_s", DEFAULT_CLEANUP_INTERVAL_S)
-    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
-        raise InvalidArgument(
-            "claims_cleanup_interval_s", f"must be a positive number of seconds, got {interval!r}"
-        )
-    limit = get("claims_cleanup_limit", DEFAULT_CLEANUP_LIMIT)
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise InvalidArgument("claims_cleanup_limit", f"must be a positive int, got {limit!r}")
-
-    strict = get("claims_strict_settings", False)
-    if not isinstance(strict, bool):
-        raise InvalidArgument("claims_strict_settings", f"must be a bool, got {strict!r:.80}")
-
-    start_timeout = _ms(
-        "claims_start_timeout_ms",
-        get("claims_start_timeout_ms", DEFAULT_START_TIMEOUT_MS),
-        minimum=1,
-    )
-    if start_timeout < lease:
-        # the pool process checks its claim with the store only once the lease handed to it
-        # may have run out: a copy given up sooner could still start unchecked
-        raise InvalidArgument(
-            "claims_start_timeout_ms",
-            f"{start_timeout} ms must be at least claims_lease_ms ({lease} ms)",
-        )
-    max_takeovers = get("claims_max_takeovers", DEFAULT_MAX_TAKEOVERS)
-    if max_takeovers is not None and (
-        isinstance(max_takeovers, bool) or not isinstance(max_takeovers, int) or max_takeovers < -1
-    ):
-        raise InvalidArgument(
-            "claims_max_takeovers",
-            f"must be None, -1 (never give up) or a non-negative int, got {max_takeovers!r:.80}",
-        )
-    if max_takeovers == -1:
-        max_takeovers = None
-
-    return ClaimsSettings(
-        redis_url=url,
-        prefix=prefix,
-        lease_ms=lease,
-        renew_interval_ms=renew,
-        done_ttl_ms=_ms(
-            "claims_done_ttl_ms", get("claims_done_ttl_ms", DEFAULT_DONE_TTL_MS), minimum=1
-        ),
-        held_recheck_ms=_ms(
-            "claims_held_recheck_ms",
-            get("claims_held_recheck_ms", DEFAULT_HELD_RECHECK_MS),
-            minimum=10,
-        ),
-        unavailable_retry_ms=retry,
-        unavailable_retry_max_ms=retry_max,
-        socket_timeout_ms=_ms(
-            "claims_socket_timeout_ms",
-            get("claims_socket_timeout_ms", DEFAULT_SOCKET_TIMEOUT_MS),
-            minimum=10,
-        ),
-        refresh_unacked=refresh,
-        cleanup_interval_s=float(interval),
-        cleanup_limit=limit,
-        lanes=parse_lanes(get("claims_lanes", None)),
-        lane_recheck_ms=_ms(
-            "claims_lane_recheck_ms",
-            get("claims_lane_recheck_ms", DEFAULT_LANE_RECHECK_MS),
-            minimum=10,
-        ),
-        strict_settings=strict,
-        start_timeout_ms=start_timeout,
-        max_takeovers=max_takeovers,
-    )
+    values["claims_redis_options"] = MappingProxyType(options)
+    return ClaimsSettings(**{row.attr: values[row.key] for row in SETTINGS})
 
 
-def _names(where: str, value: object) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
-        raise InvalidArgument("claims_lanes", f"{where} must be a list of names, got {value!r:.80}")
-    names = tuple(value)
-    if not names:
-        raise InvalidArgument("claims_lanes", f"{where} must not be empty")
-    for name in names:
-        if not isinstance(name, str) or not name or "\x00" in name:
-            raise InvalidArgument(
-                "claims_lanes", f"{where} must hold non-empty names, got {name!r:.80}"
-            )
-    return tuple(dict.fromkeys(names))
+#: Keys of ``broker_transport_options`` a default Sentinel store takes over from the broker.
+_BROKER_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
 
 
-def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
-    """Validate ``claims_lanes`` into lane specs.
-
-    The setting maps a lane name to ``{"queues": [...], "limit": n}`` and an optional
-    ``"kinds": [task names]``. A message may belong to one lane at most: two lanes that
-    share a queue must list disjoint kinds.
-
-    Raises:
-        InvalidArgument: the value is malformed; ``name`` is ``claims_lanes`` and the message
-            says which lane and which field.
-    """
-    if raw is None:
-        return ()
-    if not isinstance(raw, Mapping):
-        raise InvalidArgument(
-            "claims_lanes", f"must be a dict of lane name -> settings, got {raw!r:.80}"
-        )
-    lanes: list[LaneSpec] = []
-    for name, spec in raw.items():
-        if not isinstance(name, str) or not name or len(name) > _MAX_LANE_NAME or "\x00" in name:
-            raise InvalidArgument(
-                "claims_lanes",
-                f"lane names must be non-empty strings of at most {_MAX_LANE_NAME} "
-                f"characters, got {name!r:.80}",
-            )
-        if not isinstance(spec, Mapping):
-            raise InvalidArgument("claims_lanes", f"lane {name!r} must be a dict, got {spec!r:.80}")
-        unknown = sorted(set(spec) - {"queues", "limit", "kinds"})
-        if unknown:
-            raise InvalidArgument(
-                "claims_lanes",
-                f"lane {name!r} has unknown keys {unknown}; use queues, limit and kinds",
-            )
-        if "queues" not in spec or "limit" not in spec:
-            raise InvalidArgument("claims_lanes", f"lane {name!r} needs 'queues' and 'limit'")
-        queues = _names(f"lane {name!r} queues", spec["queues"])
-        limit = spec["limit"]
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= 1_000_000:
-            raise InvalidArgument(
-                "claims_lanes",
-                f"lane {name!r} limit must be an int from 0 to 1000000, got {limit!r:.80}",
-            )
-        kinds = spec.get("kinds")
-        lanes.append(
-            LaneSpec(
-                name,
-                queues,
-                limit,
-                None if kinds is None else frozenset(_names(f"lane {name!r} kinds", kinds)),
-            )
-        )
-    for i, first in enumerate(lanes):
-        for second in lanes[i + 1 :]:
-            shared = sorted(set(first.queues) & set(second.queues))
-            if not shared:
-                continue
-            if first.kinds is None or second.kinds is None or first.kinds & second.kinds:
-                raise InvalidArgument(
-                    "claims_lanes",
-                    f"lanes {first.name!r} and {second.name!r} both cover queue "
-                    f"{shared[0]!r}: a message may be in one lane only; give them disjoint "
-                    f"kinds",
-                )
-    return tuple(lanes)
+def _broker_options(conf: Any, url: str, options: dict[str, Any]) -> None:
+    """Complete a default store's options from the broker's own (Sentinel master, TLS)."""
+    if url.startswith("sentinel://"):
+        transport = conf.get("broker_transport_options") or {}
+        for key in _BROKER_OPTIONS:
+            if key in transport:
+                options.setdefault(key, transport[key])
+    use_ssl = conf.get("broker_use_ssl")
+    if url.startswith("rediss://") and isinstance(use_ssl, Mapping):
+        for key, value in use_ssl.items():
+            if key in CLIENT_OPTIONS and key.startswith("ssl_"):
+                options.setdefault(key, value)

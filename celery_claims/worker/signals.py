@@ -14,6 +14,8 @@ from celery.utils.dispatch import Signal
 __all__ = [
     "Counters",
     "claim_acquired",
+    "claim_released",
+    "lane_slot",
     "lease_lost",
     "task_held",
     "task_skipped",
@@ -25,9 +27,21 @@ __all__ = [
 task_skipped = Signal(name="celery_claims.task_skipped")
 
 #: A copy was held unacked instead of run. Arguments: ``request``, ``reason`` (``"held"`` while
-#: another worker's lease is live, ``"unavailable"`` while the claim store cannot be reached),
-#: ``claim_id``, ``holder`` (the other owner, or ``None``), ``recheck_s`` (next check).
+#: another worker's lease is live, ``"unavailable"`` while the claim store cannot be reached,
+#: ``"lane"`` while its lane is full: claimed, waiting for a slot), ``claim_id``, ``holder``
+#: (the other owner, or ``None``), ``recheck_s`` (next check); for ``"lane"`` also ``lane``
+#: (the lane's name) and ``instance`` (the fencing number of its claim).
 task_held = Signal(name="celery_claims.task_held")
+
+#: A copy that waited for its full lane got a slot and goes to the pool. Arguments:
+#: ``request``, ``claim_id``, ``lane``, ``instance``.
+lane_slot = Signal(name="celery_claims.lane_slot")
+
+#: A copy's attempt ended without success and its claim was released, so a later copy runs
+#: the task again. Arguments: ``request``, ``token``, ``claim_id``, ``reason`` (e.g.
+#: ``"failed (ValueError)"``, ``"rejected"``, ``"revoked"``, ``"hard time limit"``, ``"not
+#: started in time"``).
+claim_released = Signal(name="celery_claims.claim_released")
 
 #: A copy's claim was acquired and it goes to the pool. Arguments: ``request``, ``token``,
 #: ``took_over`` (``True`` when another owner's expired lease was taken over).
@@ -47,7 +61,8 @@ class Counters:
     ``released``, ``completion_deferred``, ``lease_lost``, ``fenced_success`` (a success not
     recorded because the lease was lost), ``renewals``, ``renew_unavailable``,
     ``unacked_refreshed``, ``revoked_released``, ``reclaimed``, ``start_timeouts``,
-    ``handed_back``, ``skipped_given_up``.
+    ``handed_back``, ``skipped_given_up``, ``time_limit_overruns`` (running copies whose claim
+    stopped being renewed at their time limit).
     """
 
     def __init__(self) -> None:

@@ -5,6 +5,8 @@
   ``run`` and runs the :class:`~celery_claims.worker.keeper.Keeper` thread.
 - :class:`Gate` (consumer): installs the :class:`~celery_claims.worker.gate.ClaimGate` in
   front of ``consumer.on_task_request``.
+- :class:`Sweep` (consumer): runs the Redis broker's restore sweep where kombu does not
+  (:class:`~celery_claims.worker.sweep.RestoreSweep`: pools without an event loop).
 """
 
 from __future__ import annotations
@@ -16,16 +18,18 @@ from celery import bootsteps
 from celery.utils.log import get_logger
 
 from celery_claims.errors import InvalidArgument
-from celery_claims.safety import check_settings
-from celery_claims.worker.compat import check_versions, store_is_broker
+from celery_claims.safety import Severity, check_settings
+from celery_claims.worker.compat import check_versions, pool_name, store_is_broker
 from celery_claims.worker.gate import ClaimGate
 from celery_claims.worker.guard import guard_tasks
 from celery_claims.worker.keeper import Keeper
 from celery_claims.worker.policy import check_task_policies
 from celery_claims.worker.runtime import ClaimsRuntime
-from celery_claims.worker.settings import WORKER_OPTION_NAMES, load_settings
+from celery_claims.worker.settings import WORKER_OPTION_NAMES, SettingRefused, load_settings
+from celery_claims.worker.store import check_store
+from celery_claims.worker.sweep import RestoreSweep
 
-__all__ = ["Gate", "LeaseKeeper", "check_unsafe_settings"]
+__all__ = ["Gate", "LeaseKeeper", "Sweep", "check_unsafe_settings"]
 
 logger = get_logger("celery_claims.worker")
 
@@ -40,19 +44,33 @@ class _Overridden:
     def get(self, key: str, default: Any = None) -> Any:
         return self._given[key] if key in self._given else self._conf.get(key, default)
 
+    @property
+    def broker_read_url(self) -> Any:
+        """The broker as Celery resolves it (the environment and ``celery -b`` included)."""
+        return getattr(self._conf, "broker_read_url", None)
 
-def check_unsafe_settings(conf: Any, overrides: Mapping[str, Any], *, strict: bool) -> None:
+
+def check_unsafe_settings(
+    conf: Any, overrides: Mapping[str, Any], *, strict: bool, pool: str | None = None
+) -> None:
     """Log each unsafe Celery setting with its fix; refuse to start in strict mode.
+
+    ``pool`` is the worker's pool by Celery's name (what the pool enforces matters too).
 
     Raises:
         InvalidArgument: ``strict`` and at least one finding; ``name`` is
             ``claims_strict_settings`` and the message lists every finding.
     """
-    findings = check_settings(_Overridden(conf, overrides))
+    findings = check_settings(_Overridden(conf, overrides), pool=pool or None)
     for finding in findings:
+        if finding.severity is Severity.NOTICE:
+            # what the pool does not do: nothing in the settings to fix, never refused
+            logger.warning("Notice (%s): %s", finding.key, finding.message)
+            continue
         logger.warning(
             "Unsafe setting %s (%s): %s", finding.key, finding.severity.value, finding.message
         )
+    findings = [f for f in findings if f.severity is not Severity.NOTICE]
     if strict and findings:
         listed = "; ".join(f"{f.key}: {f.message}" for f in findings)
         raise InvalidArgument(
@@ -65,7 +83,8 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
     """Worker bootstep: reads the settings, creates ``worker.claims``, runs the keeper.
 
     Settings are validated here, while the worker starts, so a bad ``claims_*`` value stops
-    the worker with an error naming the key instead of failing on the first task.
+    the worker with an error naming the key (:class:`SettingRefused`, one line under
+    ``celery worker``) instead of failing on the first task.
     """
 
     label = "Claims"
@@ -74,11 +93,24 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
     def __init__(self, w: Any, **kwargs: Any) -> None:
         w.claims = None
         overrides = {name: kwargs.get(name) for name in WORKER_OPTION_NAMES}
-        settings = load_settings(w.app, overrides)
-        check_task_policies(w.app, settings)
-        check_unsafe_settings(w.app.conf, overrides, strict=settings.strict_settings)
+        pool = pool_name(getattr(w, "pool_cls", None))
+        try:
+            settings = load_settings(w.app, overrides)
+            check_task_policies(w.app, settings)
+            check_unsafe_settings(w.app.conf, overrides, strict=settings.strict_settings, pool=pool)
+        except InvalidArgument as exc:
+            # one line naming the setting under `celery worker`, not a traceback
+            raise SettingRefused.of(exc) from None
         check_versions()
-        self.runtime = ClaimsRuntime(w.app, settings, w.hostname)
+        # before "ready": a store the worker cannot use stops it here, with one line
+        manager = check_store(settings)
+        self.runtime = ClaimsRuntime(w.app, settings, w.hostname, manager)
+        self.runtime.pool_name = pool
+        # the limits Celery hands the pool when a task has none of its own
+        self.runtime.time_limits = (
+            getattr(w, "soft_time_limit", None),
+            getattr(w, "time_limit", None),
+        )
         self.keeper = Keeper(self.runtime)
         # the ack carries the completion where the store is the Redis broker's own server
         self.runtime.life.ride_acks = store_is_broker(w.app, self.runtime.manager.client)
@@ -122,5 +154,30 @@ class Gate(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
     def stop(self, c: Any) -> None:
         if self.gate is not None:
             self.gate.drop_connection_state()
+
+    shutdown = stop
+
+
+class Sweep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
+    """Consumer bootstep running the :class:`RestoreSweep` (a crashed worker's messages)."""
+
+    label = "Claims restore sweep"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        runtime = getattr(getattr(c, "controller", None), "claims", None)
+        self.sweep: RestoreSweep | None = None
+        c.claims_sweep = None
+        if isinstance(runtime, ClaimsRuntime):
+            self.sweep = c.claims_sweep = RestoreSweep(c)
+        super().__init__(c, **kwargs)
+
+    def start(self, c: Any) -> None:
+        if self.sweep is not None:
+            self.sweep.start()
+
+    def stop(self, c: Any) -> None:
+        if self.sweep is not None:
+            self.sweep.stop()
 
     shutdown = stop

@@ -1,39 +1,98 @@
-"""The worker's one claim store client factory, with one timeout and retry policy.
+"""The worker's claim store: one client factory for every part of it, checked at start.
 
 Every part of a worker reaches the claim store through :func:`new_manager`: the claim gate
-and the lease keeper in the main process, and the guard in each pool process (a prefork child
-builds its own, never sharing the parent's sockets across fork).
+and the lease keeper in the main process, the lanes, and the guard in each pool process (a
+prefork child builds its own, never sharing the parent's sockets across fork). The client
+comes from :func:`celery_claims.connect`, so every URL form and option it takes
+(TLS, Unix sockets, Sentinel, Cluster) works the same everywhere, with one policy: socket
+connect and read timeouts of ``claims_socket_timeout_ms``, one immediate retry, no backoff.
 
-The policy: socket connect and read timeouts of ``claims_socket_timeout_ms``, and one
-immediate retry (for a connection an idle timeout dropped), no backoff. redis-py's default
-(several retries with exponential backoff) would block the consumer loop or a running task
-for seconds on a dead store; every caller here has its own, slower retry instead (held
-copies back off, the keeper retries each beat).
+:func:`check_store` runs while the worker starts, before it reports ready: a store that
+cannot be used as configured (TLS handshake or certificate, credentials, database, a Cluster
+that is not one, an unknown Sentinel master) stops the worker with one line naming the
+problem. A store that is only unreachable does not: tasks wait for it (held, retried), as
+they do when it goes down later.
 """
 
 from __future__ import annotations
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+import click
+from celery.utils.log import get_logger
 
 from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.connection import RedisClient, StoreUnusable, connect, describe, verify
+from celery_claims.connection import close as close_client
+from celery_claims.errors import BackendUnavailable
 from celery_claims.worker.settings import ClaimsSettings
 
-__all__ = ["new_manager"]
+__all__ = ["StoreRefused", "check_store", "new_client", "new_manager"]
 
-#: How often a failed call is retried at once (a dropped idle connection reconnects).
-RETRIES = 1
+logger = get_logger("celery_claims.worker")
+
+
+class StoreRefused(StoreUnusable, click.ClickException):
+    """The worker cannot use its claim store: it stops at start with this one line.
+
+    A ``click.ClickException`` too, so ``celery worker`` prints ``Error: <message>`` and
+    exits with status 1 instead of a traceback.
+    """
+
+    def __init__(self, message: str) -> None:
+        click.ClickException.__init__(self, f"celery-claims: {message}")
+
+
+def new_client(settings: ClaimsSettings) -> RedisClient:
+    """A client of the claim store of ``settings`` (see the module docstring).
+
+    Raises:
+        InvalidArgument: the URL or options are invalid.
+        BackendUnavailable: a Cluster store could not be reached (its client reads the slot
+            map when it is made).
+        StoreUnusable: a Cluster node refused the client.
+    """
+    return connect(
+        settings.redis_url,
+        settings.redis_options,
+        cluster=settings.redis_cluster,
+        timeout_s=settings.socket_timeout_ms / 1000,
+        url_name="claims_redis_url",
+        options_name="claims_redis_options",
+    )
 
 
 def new_manager(settings: ClaimsSettings) -> RedisClaimManager:
-    """A claim manager for ``settings`` (see the module docstring for its policy)."""
-    timeout_s = settings.socket_timeout_ms / 1000
-    client = redis.Redis.from_url(
-        settings.redis_url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), RETRIES),
-        health_check_interval=30,
-    )
-    return RedisClaimManager(client=client, prefix=settings.prefix)
+    """A claim manager on :func:`new_client` (close it with ``close_client(m.client)``)."""
+    return RedisClaimManager(client=new_client(settings), prefix=settings.prefix)
+
+
+def check_store(settings: ClaimsSettings) -> RedisClaimManager:
+    """The worker's claim manager, once the store is known to be usable (module docstring).
+
+    Args:
+        settings: the worker's settings.
+
+    Raises:
+        StoreRefused: the store cannot be used as configured, or a Cluster store is
+            unreachable at start.
+    """
+    where = describe(settings.redis_url)
+    try:
+        manager = new_manager(settings)
+    except BackendUnavailable as exc:
+        raise StoreRefused(
+            f"the claim store at {where} must be reachable when the worker starts: {exc}"
+        ) from exc
+    except StoreUnusable as exc:
+        raise StoreRefused(str(exc)) from exc
+    try:
+        verify(manager.client, settings.redis_url)
+    except BackendUnavailable as exc:
+        logger.warning(
+            "celery-claims: the claim store at %s is unreachable at start (%s); tasks wait for it",
+            where,
+            exc,
+        )
+    except StoreUnusable as exc:
+        close_client(manager.client)
+        raise StoreRefused(str(exc)) from exc
+    return manager

@@ -12,6 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from celery_claims.config import resolve
 from celery_claims.worker.settings import load_settings
 from celery_claims.worker.store import new_manager
 
@@ -43,11 +44,17 @@ def register_cleanup_task(app: Any) -> Any:
 
 
 def add_cleanup_schedule(app: Any) -> None:
-    """Add the cleanup entry to ``app.conf.beat_schedule`` unless the user defined one."""
-    interval_s = app.conf.get("claims_cleanup_interval_s", None)
-    if interval_s is None:
-        # validated later by the task itself; a bad value must not break app finalization
-        interval_s = 300.0
+    """Add the cleanup entry to ``app.conf.beat_schedule`` unless the user defined one.
+
+    Its period is ``claims_cleanup_interval_s``, validated as the worker validates it.
+
+    Raises:
+        InvalidArgument: ``claims_cleanup_interval_s`` is not a positive number of seconds
+            (on finalization Celery logs it and the entry is left out; the worker refuses to
+            start with the same error).
+    """
+    key = "claims_cleanup_interval_s"
+    interval_s = resolve(app.conf, keys=(key,))[key]
     schedule = app.conf.beat_schedule
     if schedule is None:
         schedule = app.conf.beat_schedule = {}
@@ -55,9 +62,9 @@ def add_cleanup_schedule(app: Any) -> None:
         CLEANUP_TASK_NAME,
         {
             "task": CLEANUP_TASK_NAME,
-            "schedule": timedelta(seconds=float(interval_s)),
+            "schedule": timedelta(seconds=interval_s),
             # a run that waited longer than a period is stale: the next one does the work
-            "options": {"expires": float(interval_s)},
+            "options": {"expires": interval_s},
         },
     )
 

@@ -207,6 +207,10 @@ class Soak:
         ):
             assert time.monotonic() < deadline, "the claim store's AOF rewrite did not end"
             time.sleep(0.1)
+        if self.broker_kind == "shared":
+            # the default deployment: the claim store is the Redis broker itself, so claims
+            # and completions ride kombu's own round trips; a store fault is a broker fault
+            return self.store.url
         if self.broker_kind == "redis":
             self.broker_server = RedisServer(["--appendonly", "yes", "--appendfsync", "always"])
             self.broker_server.start()
@@ -337,9 +341,10 @@ class Soak:
 
     def _faults(self) -> list[Callable[[], None]]:
         faults = [self.kill_worker, self.pause_worker, self.kill_store, self.store_loading]
-        faults.append(
-            self.kill_broker if self.broker_kind == "redis" else self.drop_broker_connections
-        )
+        if self.broker_kind == "redis":
+            faults.append(self.kill_broker)
+        elif self.broker_kind == "rabbitmq":
+            faults.append(self.drop_broker_connections)
         faults.append(self.skew_worker)
         return faults
 
@@ -495,7 +500,7 @@ class Soak:
         On RabbitMQ a queued message cannot be read without taking it: every unfinished task
         counts as having a copy left while the queue is not empty.
         """
-        if self.broker_server is None:
+        if self.broker_kind == "rabbitmq":
             from kombu import Connection
 
             with Connection(f"amqp://guest:guest@{RABBITMQ[0]}:{RABBITMQ[1]}//") as conn:
@@ -505,7 +510,7 @@ class Soak:
                 finally:
                     queue.close()
             return {"*"} if waiting else set()
-        client = self.broker_server.client()
+        client = (self.broker_server or self.store).client()
         raw = [*client.lrange(self.queue, 0, -1), *client.hvals("unacked")]
         found = set()
         for item in raw:
@@ -535,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--duration", type=float, default=60.0)
-    parser.add_argument("--broker", choices=("redis", "rabbitmq"), default="redis")
+    parser.add_argument("--broker", choices=("redis", "shared", "rabbitmq"), default="redis")
     parser.add_argument("--plain", action="store_true", help="the same fleet without claims")
     parser.add_argument("--tasks", type=int, default=300)
     parser.add_argument("--json", action="store_true")

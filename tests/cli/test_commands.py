@@ -25,10 +25,12 @@ def test_list_shows_the_live_claim_with_owner_attempt_instance_and_lease(
     # Then the table shows live-1 in its queue, the worker holding it and its lease
     assert result.returncode == 0, result.stderr
     header, _rule, *rows = result.stdout.splitlines()
-    assert header.split() == ["QUEUE", "TASK", "ATTEMPT", "OWNER", "INSTANCE", "LEASE", "LEFT"]
+    assert header.split() == [
+        "QUEUE", "TASK", "ATTEMPT", "STATE", "OWNER", "INSTANCE", "LEASE", "LEFT"
+    ]  # fmt: skip
     [row] = [r for r in rows if "live-1" in r]
-    queue, task, attempt, owner, instance, lease = row.split()
-    assert (queue, task, attempt) == (QUEUE, "live-1", "0.0")
+    queue, task, attempt, state, owner, instance, lease = row.split()
+    assert (queue, task, attempt, state) == (QUEUE, "live-1", "0.0", "running")
     assert owner.startswith("cli-")
     assert int(instance) > 0
     assert 0 < float(lease.rstrip("s")) <= 3.0

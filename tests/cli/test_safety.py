@@ -8,7 +8,6 @@ import pytest
 
 from celery_claims import InvalidArgument
 from celery_claims.safety import Finding, Severity, check_settings
-from celery_claims.worker import settings as worker_settings
 
 #: A configuration with nothing unsafe: the baseline each test changes one thing of.
 SAFE: dict[str, Any] = {
@@ -138,8 +137,40 @@ def test_a_malformed_configuration_raises_invalid_argument(conf: Any, name: str)
     assert caught.value.name == name
 
 
-def test_the_defaults_assumed_for_unset_claim_settings_are_the_integrations() -> None:
-    from celery_claims import safety
+def test_the_check_reads_a_lease_given_alone_as_the_worker_does() -> None:
+    # Given only a 20 s lease (the worker then renews every 5 s), on Redis brokers whose
+    # visibility timeouts are 12 s and 8 s
+    alone = {"claims_lease_ms": 20_000, "claims_renew_interval_ms": None}
+    roomy = findings(**alone, broker_transport_options={"visibility_timeout": 12})
+    tight = findings(**alone, broker_transport_options={"visibility_timeout": 8})
 
-    assert safety._DEFAULT_LEASE_MS == worker_settings.DEFAULT_LEASE_MS
-    assert safety._DEFAULT_RENEW_INTERVAL_MS == worker_settings.DEFAULT_RENEW_INTERVAL_MS
+    # Then the check judges the worker's renew interval, not the default one
+    assert "claims_renew_interval_ms" not in {f.key for f in roomy}
+    [renew] = [f for f in tight if f.key == "claims_renew_interval_ms"]
+    assert "(5000 ms)" in renew.message
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo", "eventlet", "gevent"])
+def test_a_pool_that_does_not_stop_a_hung_task_gets_a_notice_saying_what_claims_do_instead(
+    pool: str,
+) -> None:
+    # Given a safe configuration, When the workers run a pool that does not enforce limits
+    result = check_settings(SAFE, pool=pool)
+    from_conf = check_settings({**SAFE, "worker_pool": pool})
+
+    # Then one notice says so, and that the claim is no longer renewed past the limit
+    assert result == from_conf
+    assert [(f.key, f.severity) for f in result] == [("worker_pool", Severity.NOTICE)]
+    assert "stops renewing a task's claim once its time limit has passed" in result[0].message
+    assert "600 s" in result[0].message
+
+
+def test_prefork_enforces_time_limits_itself_and_gets_no_notice() -> None:
+    assert check_settings(SAFE, pool="prefork") == []
+    assert check_settings({**SAFE, "worker_pool": "prefork"}) == []
+
+
+def test_notices_come_after_warnings() -> None:
+    result = check_settings({**SAFE, "task_acks_late": False, "task_time_limit": None}, pool="solo")
+
+    assert [f.severity for f in result] == [Severity.ERROR, Severity.WARNING, Severity.NOTICE]

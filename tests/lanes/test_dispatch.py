@@ -438,3 +438,31 @@ def test_listed_object_that_is_no_task_record_is_refused(store: RecordingStore) 
     with pytest.raises(InvalidValueError, match="no id, kind or processing_token"):
         claim_due_for_lane(store, MAIL, 30, lane_of, clock=fixed(T0, T0))
     assert "claim" not in store.names()
+
+
+def test_no_candidate_left_after_the_lane_check_returns_before_the_second_clock_read(
+    store: RecordingStore,
+) -> None:
+    # Given a listing in which every task belongs to another lane
+    store.inner.enqueue(1, "send_email", next_run_at=T0)
+    store.inner.enqueue(2, "send_email", next_run_at=T0)
+    listed = store.inner.list_claimable_by_kinds(T0, T0, MAIL.kinds, 2)
+    store.listing = [dataclasses.replace(task, kind="render") for task in listed]
+    reads: list[datetime] = []
+
+    def clock() -> datetime:
+        reads.append(T0)
+        return T0
+
+    # When the lane is claimed, synchronously and through the asyncio twin
+    claimed = claim_due_for_lane(store, MAIL, 30, lane_of, clock=clock)
+    claimed_async = asyncio.run(
+        aclaim_due_for_lane(AsyncRecordingStore(store), MAIL, 30, lane_of, clock=clock)
+    )
+
+    # Then nothing is claimed, the clock was read once per pass (no claimed_at), and the
+    # store was listed and counted but never asked to claim an empty candidate list
+    assert claimed == []
+    assert claimed_async == []
+    assert len(reads) == 2
+    assert store.names() == ["list", "count", "list", "count"]

@@ -158,6 +158,10 @@ class Fleet:
         args = ["-A", "tests.worker.apps.beat_app", "beat", "-l", "INFO", "-s", str(schedule)]
         return self._spawn(name, args, env)
 
+    def celery(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        """Start ``celery ARGS...`` as a user types it (``-b``, ``-A`` and the sub-command)."""
+        return self._spawn(name, args, env or {})
+
     def client(self, broker: str, backend: str, queue: str) -> Celery:
         """A producer app for this test (closed at cleanup)."""
         app = client_app(broker, backend, queue)

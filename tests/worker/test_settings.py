@@ -97,7 +97,8 @@ def test_install_adds_worker_options_once_and_is_idempotent() -> None:
     assert names.count("claims_lease_ms") == 1
     assert "claims_redis_url" in names
     assert len(app.steps["worker"]) == 1
-    assert len(app.steps["consumer"]) == 1
+    # the gate, and the restore sweep of pools without an event loop
+    assert sorted(step.__name__ for step in app.steps["consumer"]) == ["Gate", "Sweep"]
 
 
 def test_worker_refuses_to_start_with_an_invalid_setting(
@@ -119,10 +120,10 @@ def test_worker_refuses_to_start_with_an_invalid_setting(
 def test_worker_refuses_to_start_with_an_invalid_per_task_lease(
     redis_server: RedisServer, key_prefix: str
 ) -> None:
-    # Given a task whose own lease is shorter than two renew intervals
+    # Given a task whose own lease is too short to renew (a quarter of it is below 50 ms)
     app = make_app(redis_server.url, queue=unique("q"), claims_prefix=key_prefix)
 
-    @app.task(shared=False, name="t.short_lease", claims_lease_ms=600)
+    @app.task(shared=False, name="t.short_lease", claims_lease_ms=150)
     def short_lease() -> None:
         return None
 
@@ -136,7 +137,7 @@ def test_worker_refuses_to_start_with_an_invalid_per_task_lease(
 
 @pytest.mark.slow
 def test_celery_worker_command_refuses_an_invalid_option_and_names_the_key() -> None:
-    # Given the real `celery worker` command with a lease shorter than two renew intervals
+    # Given the real `celery worker` command with a lease too short to renew
     env = {
         **os.environ,
         "CLAIMS_TEST_BROKER": "redis://127.0.0.1:1/0",
@@ -156,6 +157,7 @@ def test_celery_worker_command_refuses_an_invalid_option_and_names_the_key() -> 
         check=False,
     )
 
-    # Then it exits with an error naming the setting, before touching the broker
+    # Then it exits with one line naming the setting given, before touching the broker
     assert done.returncode != 0
-    assert "InvalidArgument: claims_renew_interval_ms" in done.stderr + done.stdout
+    assert "Error: claims_lease_ms: 100 ms is too short to renew" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout

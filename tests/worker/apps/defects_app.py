@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 from typing import Any
@@ -48,3 +49,29 @@ def sleep(self: Any, seconds: float) -> float:
     time.sleep(seconds)
     record("end", self)
     return seconds
+
+
+@app.task(bind=True, name="defects.until")
+def until(self: Any, key: str, timeout_s: float = 60.0) -> str:
+    """Run until the test sets ``key`` on ``LOG`` (a cross-process release), then return."""
+    record("start", self)
+    assert _log is not None
+    deadline = time.monotonic() + timeout_s
+    while not _log.exists(key):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key} was never set")
+        time.sleep(0.02)
+    record("end", self)
+    return "done"
+
+
+@app.task(bind=True, name="defects.pause_parent", ignore_result=True)
+def pause_parent(self: Any) -> None:
+    """Stop the worker's main process (SIGSTOP, as a long GC pause or a frozen VM would), then
+    return: the body is over, the main process has not seen it end. Only the first run of a
+    task id stops its worker, so a second run shows up as what it is."""
+    record("start", self)
+    assert _log is not None
+    if _log.set(f"paused:{self.request.id}", 1, nx=True):
+        os.kill(os.getppid(), signal.SIGSTOP)
+    record("end", self)

@@ -36,6 +36,11 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     result_expires=None,
 )
+# more configuration, as JSON (``claims_redis_options``, ``broker_transport_options``, ...)
+for key, value in json.loads(os.environ.get("CLAIMS_TEST_CONF", "{}")).items():
+    if isinstance(value, dict) and isinstance(app.conf.get(key), dict):
+        value = {**app.conf.get(key), **value}
+    app.conf[key] = value
 if os.environ.get("CLAIMS_TEST_PLUGIN", "1") == "1":
     install(app)
 
@@ -91,3 +96,15 @@ def crash_worker(self: Any) -> None:
     """A poison task: kills its whole worker (main process and pool) every time it runs."""
     record("start", self)
     os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+@app.task(bind=True, name="fleet.hang_once", time_limit=2)
+def hang_once(self: Any) -> str:
+    """Hang far past its 2 s time limit on its first run, return at once on later runs."""
+    global _log
+    record("start", self)
+    assert _log is not None  # record() made it
+    if _log.set(f"hung:{QUEUE}:{self.request.id}", "1", nx=True):
+        time.sleep(60)
+    record("end", self)
+    return "done"

@@ -150,3 +150,10 @@ def _on_ready(sender: Any = None, **_: Any) -> None:
             time.sleep(0.1)
 
     threading.Thread(target=publish, daemon=True, name="test-counters").start()
+
+
+@app.task(bind=True, name="lanes.fail")
+def fail(self: Any) -> None:
+    """Fail at once (its claim is released; Celery stores the error)."""
+    _event("start", self)
+    raise ValueError("boom")
