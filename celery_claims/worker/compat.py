@@ -10,6 +10,8 @@ expects is missing (no refresh, no local forget: the broker then redelivers, not
 from __future__ import annotations
 
 import contextlib
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from celery_claims.connection import server_of
 __all__ = [
     "TESTED",
     "Delivery",
+    "LoopWaker",
     "check_versions",
     "forget_delivery",
     "pool_name",
@@ -126,6 +129,81 @@ def refresh_unacked(deliveries: Iterable[Delivery]) -> int:
             pipe.execute()
         sent += len(tags)
     return sent
+
+
+class LoopWaker:
+    """Runs a callback on the consumer's event loop soon, from any thread.
+
+    ``consumer.call_soon`` puts the callback in kombu's hub, which runs it at the top of its
+    next turn. kombu 5.7's hub also wakes its poll when another thread adds one (a socket
+    pair of its own, ``Hub._waker``); kombu 5.3 to 5.6's does not, so a callback added from
+    the lease keeper or a thread pool's thread waits for the loop's next I/O event or timer:
+    up to 10 s (Celery's worker gives the hub's timer ``max_interval=10.0``) while nothing
+    arrives, for instance while the prefetch window is full. Where the hub has no waker of
+    its own this one adds a socket pair as a reader of the hub (``hub.add_reader``, as
+    kombu's transports register theirs) and writes a byte to it after each callback. Attach
+    it from the loop's thread each time the consumer (re)starts: kombu's loop resets the
+    hub, dropping every reader, when it ends.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pair: tuple[socket.socket, socket.socket] | None = None
+        self._hub: Any = None
+
+    @staticmethod
+    def needed(hub: Any) -> bool:
+        """True if ``hub`` is a kombu hub that does not wake itself (kombu before 5.7)."""
+        return (
+            hub is not None
+            and not hasattr(hub, "_waker")
+            and callable(getattr(hub, "add_reader", None))
+            and isinstance(getattr(hub, "readers", None), dict)
+        )
+
+    def attach(self, consumer: Any) -> None:
+        """Make the consumer's hub poll the waker (on the loop's thread; idempotent)."""
+        hub: Any = getattr(consumer, "hub", None)
+        if not self.needed(hub):
+            return
+        with self._lock:
+            if self._pair is None:
+                pair = socket.socketpair()
+                for end in pair:
+                    end.setblocking(False)
+                self._pair = pair
+            reader = self._pair[0]
+        if hub.readers.get(reader.fileno()) is None:
+            hub.add_reader(reader.fileno(), self._drain, reader)
+        self._hub = hub
+
+    def call_soon(self, consumer: Any, fn: Callable[..., object], *args: Any) -> None:
+        """``consumer.call_soon(fn, *args)``, then wake the loop if it sleeps in poll."""
+        consumer.call_soon(fn, *args)
+        pair = self._pair
+        if pair is not None:
+            # a full socket buffer already has a wake-up pending; a closed one, no loop
+            with contextlib.suppress(OSError):
+                pair[1].send(b"\0")
+
+    @staticmethod
+    def _drain(reader: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while reader.recv(4096):
+                pass
+
+    def close(self) -> None:
+        """Let go of the socket pair (reentrant, no logging: the consumer is stopping)."""
+        with self._lock:
+            pair, self._pair = self._pair, None
+            hub, self._hub = self._hub, None
+        if pair is None:
+            return
+        with contextlib.suppress(Exception):
+            if hub is not None and pair[0].fileno() in hub.readers:
+                hub.remove_reader(pair[0].fileno())
+        for end in pair:
+            end.close()
 
 
 #: Celery's pool modules (``celery.concurrency.<module>``) by the names ``-P`` takes.
