@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import celery
 import kombu
 from celery.utils.log import get_logger
+from kombu.asynchronous import get_event_loop, set_event_loop
 from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils import json
 
@@ -33,6 +34,7 @@ __all__ = [
     "LoopWaker",
     "check_versions",
     "forget_delivery",
+    "forget_hub_when_closed",
     "pool_name",
     "refresh_unacked",
     "restore_sweep",
@@ -204,6 +206,27 @@ class LoopWaker:
                 hub.remove_reader(pair[0].fileno())
         for end in pair:
             end.close()
+
+
+def forget_hub_when_closed(hub: Any) -> None:
+    """Stop ``hub`` being the process's event loop once it is closed, as kombu 5.6 does.
+
+    Celery's worker takes the process's event loop (``kombu.asynchronous.get_event_loop``)
+    if there is one, and makes one with its own timer otherwise; its ``Hub.close`` at shutdown
+    left the closed hub in place before kombu 5.6. A second worker started in the same
+    process (each in-process worker of a test session) then runs on the first one's hub,
+    which fires the first worker's timer, not its own: none of its timers fire (Celery's ETA
+    tasks, the re-checks of held copies; found with tox celery53 to celery55). The callback
+    goes in ``hub.on_close``, which ``Hub.close`` calls on every kombu from 5.3.
+    """
+    on_close = getattr(hub, "on_close", None)
+    if isinstance(on_close, set):
+        on_close.add(_forget_event_loop)
+
+
+def _forget_event_loop(hub: Any) -> None:
+    if get_event_loop() is hub:
+        set_event_loop(None)
 
 
 #: Celery's pool modules (``celery.concurrency.<module>``) by the names ``-P`` takes.
