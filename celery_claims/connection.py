@@ -609,6 +609,13 @@ def verify(client: RedisClient, where: str) -> None:
         raise _master_missing(where, pool, exc) from exc
     except (redis_errors.RedisError, OSError) as exc:
         raise _classified(where, exc) from exc
+    except RecursionError as exc:
+        # redis-py 5.0 to 5.2 reconnects from the health check of its connect-time handshake,
+        # without end, while the server answers something that is not Redis's protocol
+        raise BackendUnavailable(
+            f"claim store at {describe(where)} unavailable: its answers are not Redis's "
+            "protocol (a TLS port reached without rediss://?)"
+        ) from exc
 
 
 def _master_missing(where: str, pool: Any, exc: BaseException) -> BackendError:

@@ -429,6 +429,7 @@ class ClaimGate:
         store is the Redis broker's server, send claims and completions with kombu's own
         writes on the new channel."""
         self._stopping = False
+        self.life.loop_started()
         if not self.life.ride_acks:
             return
         channel = getattr(getattr(self.consumer, "task_consumer", None), "channel", None)

@@ -202,6 +202,8 @@ class WorkerLanes:
         self.dispatch: Callable[[Any, LaneSlot], None] | None = None
         #: the worker's prefetch slot ledger (``lifecycle.SlotLedger``), set by the lifecycle
         self.slots: Any = None
+        #: the lifecycle's :class:`~celery_claims.worker.compat.LoopWaker` (set by it)
+        self.waker: Any = None
 
     @staticmethod
     def store_lanes(settings: ClaimsSettings) -> list[TaskLaneConfig[str, str]]:
@@ -373,8 +375,10 @@ class WorkerLanes:
             return
         lane.soon = True
         hub = getattr(consumer, "hub", None)
-        if hub is not None:
-            # thread-safe, and wakes the loop if it sleeps in poll
+        if hub is not None and self.waker is not None:
+            # thread-safe; the waker wakes the loop if it sleeps in poll (kombu before 5.7)
+            self.waker.call_soon(consumer, self._soon_pass, lane, why)
+        elif hub is not None:
             hub.call_soon(self._soon_pass, lane, why)
         else:
             consumer.timer.call_after(0, self._soon_pass, (lane, why), priority=6)

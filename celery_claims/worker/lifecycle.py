@@ -49,6 +49,7 @@ from celery_claims.worker import signals
 from celery_claims.worker.compat import (
     BrokerRide,
     Delivery,
+    LoopWaker,
     fail_unrun,
     forget_delivery,
     republish,
@@ -293,6 +294,8 @@ class Lifecycle:
         self.counters = counters
         self.lanes = lanes
         self.slots = SlotLedger()
+        #: wakes the consumer's loop for a call from another thread (kombu before 5.7)
+        self.waker = LoopWaker()
         #: the worker's pool, to terminate a stale copy's process (set when the worker starts)
         self.pool: Any = None
         self._consumer: Any = None
@@ -312,6 +315,7 @@ class Lifecycle:
         self.recent = RecentCompletions()
         if lanes is not None:
             lanes.slots = self.slots
+            lanes.waker = self.waker
 
     # --- wiring (consumer bootstep) ---------------------------------------------------------
 
@@ -328,9 +332,14 @@ class Lifecycle:
         if self.lanes is not None:
             self.lanes.bind(consumer, self.lane_granted)
 
+    def loop_started(self) -> None:
+        """The consumer (re)started, on its loop's thread: the loop can be woken again."""
+        self.waker.attach(self._consumer)
+
     def on_loop(self) -> None:
         """The caller is the consumer's event loop (the gate calls this for each message)."""
         self._loop_thread = threading.get_ident()
+        self.waker.attach(self._consumer)
         if self.slots.qos is not self._consumer.qos:
             self.slots.bind(self._consumer.qos, int(self._consumer.initial_prefetch_count or 0))
 
@@ -887,8 +896,11 @@ class Lifecycle:
             return
         if state is State.WAITING:
             # never started: it goes through the gate again as a duplicate (held until the
-            # owner finishes, or taken over if it dies)
-            self._on_loop(self._readmit, copy)
+            # owner finishes, or taken over if it dies). It leaves WAITING here, under the
+            # lock, so the keeper stops renewing it and a lane grant cannot send it to the
+            # pool before the loop runs the readmission (the loss is decided once)
+            if not self._move(copy, State.RECEIVED, only_from=frozenset({State.WAITING})):
+                return
         elif not self._go_stale(copy, f"lease lost ({detail})", other_owner=True):
             return
         request = copy.request
@@ -908,6 +920,8 @@ class Lifecycle:
         )
         if state is State.RUNNING:
             self._stop(copy)
+        elif state is State.WAITING:
+            self._on_loop(self._readmit, copy)
 
     def complete_deferred(self, copy: Copy) -> None:
         """Retry a completion the store could not take (``COMPLETING``)."""
@@ -967,6 +981,8 @@ class Lifecycle:
         """
         if self.lanes is not None:
             self.lanes.drop_all()
+        # kombu's loop resets its hub as it ends: the waker is attached again on restart
+        self.waker.close()
         for copy in self.copies(State.RECEIVED, State.HELD):
             self._cancel_timer(copy)
             with contextlib.suppress(AssertionError):
@@ -1144,11 +1160,12 @@ class Lifecycle:
             copy.request.reject(requeue=True)
 
     def _readmit(self, copy: Copy) -> None:
-        if copy.state is not State.WAITING or self.lanes is None:
+        """A waiting copy whose claim was taken over (moved to ``RECEIVED`` by :meth:`_lose`):
+        out of its lane, through the gate again under a new owner."""
+        if copy.state is not State.RECEIVED or self.lanes is None:
             return
         self.lanes.forget(copy)
         self.slots.take_back(copy)
-        self._move(copy, State.RECEIVED)
         # a new owner: under its old one the copy would simply re-claim the task
         owner = new_owner(self.hostname)
         copy.owner = owner if copy.key is None else copy.key.owner(owner)
@@ -1196,7 +1213,7 @@ class Lifecycle:
         if threading.get_ident() == self._loop_thread or self._consumer is None:
             fn(*args)
         else:
-            self._consumer.call_soon(fn, *args)
+            self.waker.call_soon(self._consumer, fn, *args)
 
 
 def _skip_detail(record: Any) -> str:

@@ -21,7 +21,12 @@ from celery.utils.log import get_logger
 
 from celery_claims.errors import InvalidArgument
 from celery_claims.safety import Severity, check_settings
-from celery_claims.worker.compat import check_versions, pool_name, store_is_broker
+from celery_claims.worker.compat import (
+    check_versions,
+    forget_hub_when_closed,
+    pool_name,
+    store_is_broker,
+)
 from celery_claims.worker.event_journal import stop_journal
 from celery_claims.worker.gate import ClaimGate
 from celery_claims.worker.guard import guard_tasks
@@ -128,6 +133,7 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
 
     def start(self, w: Any) -> None:
         self.runtime.life.pool = getattr(w, "pool", None)
+        forget_hub_when_closed(getattr(w, "hub", None))
         self.keeper.start()
 
     def stop(self, w: Any) -> None:

@@ -50,6 +50,8 @@ class SameAsMemory(RuleBasedStateMachine):
 
     #: Builds the store compared with the memory store; each test sets it on a subclass.
     make_other: Callable[[], Any] = staticmethod(lambda: None)
+    #: Lets go of what ``make_other()`` opened, once the example ends.
+    close_other: Callable[[Any], None] = staticmethod(lambda other: None)
 
     def __init__(self) -> None:
         super().__init__()
@@ -160,6 +162,9 @@ class SameAsMemory(RuleBasedStateMachine):
         for task_id in range(7):
             assert self.other.get_task(task_id) == self.memory.get_task(task_id)
 
+    def teardown(self) -> None:
+        type(self).close_other(self.other)
+
 
 SETTINGS = settings(
     max_examples=100,
@@ -170,8 +175,16 @@ SETTINGS = settings(
 )
 
 
-def run_against(make_other: Callable[[], Any], max_examples: int = 100) -> None:
-    machine = type("Machine", (SameAsMemory,), {"make_other": staticmethod(make_other)})
+def run_against(
+    make_other: Callable[[], Any],
+    max_examples: int = 100,
+    close_other: Callable[[Any], None] = lambda other: None,
+) -> None:
+    machine = type(
+        "Machine",
+        (SameAsMemory,),
+        {"make_other": staticmethod(make_other), "close_other": staticmethod(close_other)},
+    )
     run_state_machine_as_test(
         machine,
         settings=settings(SETTINGS, max_examples=max_examples),
@@ -199,7 +212,10 @@ def test_sqlite_store_answers_as_the_memory_store() -> None:
         store.create_tables()
         return store
 
-    run_against(make)
+    # Each example's engine holds its in-memory database's one connection (StaticPool): the
+    # store does not dispose of an engine it was given, so the example does. Left to the
+    # garbage collector, every connection is reported unclosed (a ResourceWarning on 3.13).
+    run_against(make, close_other=lambda store: store.engine.dispose())
 
 
 @pytest.mark.postgres
