@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import threading
 import time
 import uuid
@@ -14,6 +12,8 @@ from typing import Any, TypeVar
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
+# the testing kit's own, re-exported for the suite
+from celery_claims.testing import close_app as close_app
 from celery_claims.worker import install
 
 T = TypeVar("T")
@@ -111,26 +111,6 @@ def in_process_worker(app: Celery, **kwargs: Any) -> Iterator[Any]:
     options.update(kwargs)
     with start_worker(app, **options) as worker:
         yield worker
-
-
-def close_app(app: Celery) -> None:
-    """Close what an app opened in this thread (the result pub/sub and backend connections).
-
-    Celery leaves these to the garbage collector; under ``filterwarnings = error`` an unclosed
-    socket found later would fail an unrelated test. The broker pool is left alone: kombu
-    shares producer pools between apps with the same broker URL.
-    """
-    gc.collect()  # run AsyncResult.__del__ (which unsubscribes) while the server is still up
-    backend = app.backend
-    consumer = getattr(backend, "result_consumer", None)
-    if consumer is not None:
-        with contextlib.suppress(Exception):
-            consumer.stop()
-    client = getattr(backend, "client", None)
-    if client is not None:
-        with contextlib.suppress(Exception):
-            client.connection_pool.disconnect()
-    app.close()
 
 
 class Paused:
