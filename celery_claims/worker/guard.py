@@ -31,7 +31,6 @@ decides what happens to the message.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
@@ -39,18 +38,18 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import redis
 from celery import current_task
 from celery.app.task import Context, Task
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_logger
 
-from celery_claims.claims.redis import RedisClaimManager, ScriptCall
+from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
 from celery_claims.fencing import TaskClaim
 from celery_claims.worker.policy import is_exempt
 from celery_claims.worker.recovery import Verdict, record_done, recover
+from celery_claims.worker.sender import ScriptSender
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.store import new_manager
 
@@ -144,8 +143,8 @@ class _Verifier:
         self._parent_manager = manager
         self._manager: RedisClaimManager | None = None
         self._pid = -1
-        self._sender: _RecordSender | None = None
-        self._sender_pid = -1
+        # used in pool processes only, each with a connection of its own
+        self._sender = ScriptSender(_record_reply)
         self._lock = threading.Lock()
 
     def manager(self) -> RedisClaimManager:
@@ -199,12 +198,12 @@ class _Verifier:
             call = manager.complete_call(claim.token(), self.settings.done_ttl_ms)
         except ClaimError:
             return
-        with self._lock:
-            if self._sender is None or self._sender_pid != os.getpid():
-                self._sender = _RecordSender()
-                self._sender_pid = os.getpid()
-            sender = self._sender
-        sender.send(manager, call)
+        if not ScriptSender.usable(manager.client):
+            return  # Sentinel, Cluster: the ack records it
+        try:
+            self._sender.send(manager.client, call)
+        except ClaimError as exc:
+            logger.debug("completion record not sent ahead of the ack: %s", exc)
 
     def record_done(self, claim: TaskClaim) -> Verdict:
         """Record the completion of the attempt (see :func:`~.recovery.record_done`).
@@ -242,70 +241,10 @@ class _Verifier:
                 delay_s = min(delay_s * 2, self.settings.unavailable_retry_max_ms / 1000)
 
 
-class _RecordSender:
-    """A pool process's connection for records sent without waiting for their replies.
-
-    Replies are read later, as they come (before each send), and never waited for. A reply
-    that is an error (``NOSCRIPT`` after a store restart, ``LOADING``) only means that record
-    was not written: the worker's ack writes it. Standalone stores only: a Sentinel or
-    Cluster client chooses its server per command, so its records go with the ack alone.
-    """
-
-    #: Replies left unread after which the connection is dropped (a store that went silent).
-    MAX_UNREAD = 64
-
-    def __init__(self) -> None:
-        self._conn: Any = None
-        self._unread = 0
-        # scripts loaded on this connection: a fresh or restarted store knows none, and a
-        # NOSCRIPT reply would only come after the record was needed
-        self._loaded: set[str] = set()
-
-    def send(self, manager: RedisClaimManager, call: ScriptCall[Any]) -> bool:
-        """Send ``call``; False if it could not be sent (nothing is retried)."""
-        pool = getattr(manager.client, "connection_pool", None)
-        if type(pool) is not redis.ConnectionPool:
-            return False
-        try:
-            if self._conn is None:
-                self._conn = pool.make_connection()
-            self._read_arrived()
-            commands: list[tuple[Any, ...]] = []
-            sha = call.script.sha
-            if sha not in self._loaded:
-                # loaded in the same write, ahead of its first use (idempotent on the server)
-                commands.append(("SCRIPT", "LOAD", call.script.script))
-                self._loaded.add(sha)
-            commands.append(("EVALSHA", sha, len(call.keys), *call.keys, *call.args))
-            self._conn.send_packed_command(self._conn.pack_commands(commands))
-            self._unread += len(commands)
-            return True
-        except (redis.RedisError, OSError) as exc:
-            logger.debug("completion record not sent ahead of the ack: %r", exc)
-            self._reset()
-            return False
-
-    def _read_arrived(self) -> None:
-        conn = self._conn
-        while self._unread and conn.can_read(timeout=0):
-            self._unread -= 1
-            try:
-                conn.read_response()
-            except redis.exceptions.NoScriptError as exc:
-                # the store lost its scripts (SCRIPT FLUSH): load them again on the next send
-                self._loaded.clear()
-                logger.debug("a completion record sent ahead of the ack failed: %s", exc)
-            except redis.ResponseError as exc:
-                logger.debug("a completion record sent ahead of the ack failed: %s", exc)
-        if self._unread > self.MAX_UNREAD:
-            self._reset()
-
-    def _reset(self) -> None:
-        conn, self._conn, self._unread = self._conn, None, 0
-        self._loaded.clear()
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.disconnect()
+def _record_reply(reply: Any, error: BaseException | None) -> None:
+    """A record sent ahead of the ack that failed only means the worker's ack writes it."""
+    if error is not None:
+        logger.debug("a completion record sent ahead of the ack failed: %s", error)
 
 
 def _surely_held(claim: TaskClaim) -> bool:

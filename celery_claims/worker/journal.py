@@ -47,12 +47,13 @@ from kombu.serialization import dumps as serialize
 from kombu.utils import json
 
 from celery_claims.claims.journal import JournalEntry, RedisJournal
-from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.claims.redis import RedisClaimManager, translate_errors
 from celery_claims.connection import close as close_client
 from celery_claims.errors import ClaimError, InvalidArgument
 from celery_claims.worker.compat import close_with, wrap_send_task
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id
 from celery_claims.worker.policy import is_exempt
+from celery_claims.worker.sender import ScriptSender
 from celery_claims.worker.settings import ClaimsSettings, load_settings
 from celery_claims.worker.signals import Counters
 from celery_claims.worker.store import new_client
@@ -326,6 +327,7 @@ class ProducerJournal:
         self._skip_until = 0.0
         self._retry_after_s = RETRY_AFTER_S / 2
         self._failing = False
+        self._sender = ScriptSender(self._replied)
 
     def configure(self, settings: ClaimsSettings) -> None:
         """Journal with ``settings`` from now on: a worker's own, command-line options
@@ -337,6 +339,7 @@ class ProducerJournal:
             self._off = None
             self._ready = True
             journal, self._journal = self._journal, None
+        self.flush()
         if journal is not None:
             with contextlib.suppress(Exception):
                 close_client(journal.client)
@@ -390,7 +393,13 @@ class ProducerJournal:
         return result
 
     def _write(self, capture: _Capture) -> None:
-        """Journal what ``capture`` holds; never raises (the publish has succeeded)."""
+        """Journal what ``capture`` holds; never raises (the publish has succeeded).
+
+        On a standalone store the write is sent without waiting for the reply (one write to
+        the socket; :meth:`_replied` counts it when the reply comes): the publish is not held
+        up by the store, and a store that stalls for a moment loses no entry. On Sentinel and
+        Cluster it is one blocking round trip.
+        """
         envelope = capture.envelope
         try:
             if self._off is not None:
@@ -404,40 +413,66 @@ class ProducerJournal:
             queue_id = self._queues.queue_of(
                 {"exchange": envelope.exchange, "routing_key": envelope.routing_key}
             )
-            self._store().put(
+            store = self._store()
+            call = store.put_call(
                 queue_id,
                 envelope.task_key,
                 envelope.dumps(),
                 recover_after_ms=self._settings.journal_recover_after_ms,
                 eta_ms=envelope.eta_ms,
             )
+            if ScriptSender.usable(store.client):
+                self._sender.send(store.client, call)
+                return  # counted by _replied
+            with translate_errors():
+                call.script(keys=call.keys, args=call.args)
         except Exception as exc:
-            self.counters.incr("journal_write_failed")
-            what = f"{envelope.task}[{envelope.task_id}]" if envelope is not None else "a message"
-            if self._off is not None:
-                return  # said once, when it was turned off
-            if isinstance(exc, ClaimError):
-                # the store: stop trying for a while, so an unreachable or hung one costs one
-                # short timeout now and then, not one per publish
-                self._retry_after_s = min(self._retry_after_s * 2, RETRY_AFTER_MAX_S)
-                self._skip_until = time.monotonic() + self._retry_after_s
-            if not self._failing:
-                logger.warning(
-                    "celery-claims: could not journal %s (published all the same; a message "
-                    "lost before a worker records it cannot be recovered): %r",
-                    what,
-                    exc,
-                )
-            self._failing = isinstance(exc, ClaimError)
+            self._failed(exc, f"{envelope.task}[{envelope.task_id}]" if envelope else "")
             return
+        self._written()
+
+    def _replied(self, reply: Any, error: BaseException | None) -> None:
+        """The store's reply to a journal write sent without waiting (see :meth:`_write`)."""
+        if error is None:
+            self._written()
+        else:
+            self._failed(error, "")
+
+    def _written(self) -> None:
         self.counters.incr("journal_written")
         self._retry_after_s = RETRY_AFTER_S / 2
         if self._failing:
             self._failing = False
             logger.warning("celery-claims: the publish journal is written again")
 
+    def _failed(self, exc: BaseException, what: str) -> None:
+        self.counters.incr("journal_write_failed")
+        if self._off is not None:
+            return  # said once, when it was turned off
+        if isinstance(exc, ClaimError):
+            # the store: stop trying for a while, so an unreachable or hung one costs one
+            # short timeout now and then, not one per publish
+            self._retry_after_s = min(self._retry_after_s * 2, RETRY_AFTER_MAX_S)
+            self._skip_until = time.monotonic() + self._retry_after_s
+        if not self._failing:
+            logger.warning(
+                "celery-claims: could not journal %s (published all the same; a message lost "
+                "before a worker records it cannot be recovered): %r",
+                what or "a message",
+                exc,
+            )
+        self._failing = isinstance(exc, ClaimError)
+
+    def flush(self, timeout_s: float = PRODUCER_TIMEOUT_MS / 1000) -> bool:
+        """Wait up to ``timeout_s`` for the replies to the writes sent so far (they are
+        counted as they come); True if none is left. The writes themselves left already."""
+        return self._sender.drain(timeout_s) == 0
+
     def close(self) -> None:
-        """Close the journal's store client (a later publish reconnects)."""
+        """Close the journal's store client (a later publish reconnects), once the replies
+        still to come have been read (for at most :data:`PRODUCER_TIMEOUT_MS`)."""
+        self.flush()
+        self._sender.close()
         with self._lock:
             journal, self._journal = self._journal, None
         if journal is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,12 @@ from celery.worker import state as worker_state
 from celery_claims import InvalidArgument, RedisClaimManager
 from celery_claims.claims.journal import RedisJournal
 from celery_claims.worker import load_settings
-from celery_claims.worker.journal import PUBLISH_COUNTERS, Envelope, JournalRecovery
+from celery_claims.worker.journal import (
+    PUBLISH_COUNTERS,
+    Envelope,
+    JournalRecovery,
+    connect_producer,
+)
 from celery_claims.worker.signals import Counters
 from tests.servers import RedisServer, free_port
 from tests.worker.helpers import close_app, in_process_worker, make_app, wait_for
@@ -82,6 +88,12 @@ def _send(app: Celery, name: str, args: tuple[Any, ...] = (), **options: Any) ->
     app.tasks[name].apply_async(args, ignore_result=True, **options)
 
 
+def _written_since(app: Celery, before: int) -> int:
+    """Journal writes counted since ``before``, once the replies sent for have come."""
+    assert connect_producer(app).flush(timeout_s=10)
+    return PUBLISH_COUNTERS.get("journal_written") - before
+
+
 def _recovery(app: Celery, claims: RedisClaimManager) -> tuple[JournalRecovery, Counters]:
     counters = Counters()
     return JournalRecovery(app, load_settings(app), claims, counters, "test"), counters
@@ -112,7 +124,7 @@ def test_a_producer_journals_each_message_with_what_a_republish_needs(
     # Then the claimed ones are journaled under their attempt, the others are not
     entries = journal.entries(queue)
     assert sorted(entries) == ["j-1:0:0", "j-eta:0:0"]
-    assert PUBLISH_COUNTERS.get("journal_written") - written == 2
+    assert _written_since(app, written) == 2
     # And the entry is the message as published: headers, body in its serializer, route
     envelope = Envelope.loads(entries["j-1:0:0"][0])
     assert (envelope.task, envelope.task_id, envelope.headers["id"]) == ("t.echo", "j-1", "j-1")
@@ -169,7 +181,7 @@ def test_a_worker_journals_what_its_tasks_publish_with_its_own_settings(
 
         # Then both messages were journaled where the worker clears and recovers them, and
         # both entries are cleared once acked
-        assert PUBLISH_COUNTERS.get("journal_written") - written == 2
+        assert _written_since(app, written) == 2
         mine = RedisJournal(client=redis_client, prefix=other)
         wait_for(lambda: not mine.entries(queue), timeout=10, what="the entries cleared")
     assert RedisJournal(client=redis_client, prefix=key_prefix).entries(queue) == {}
@@ -277,6 +289,40 @@ def test_a_journal_write_that_fails_never_fails_the_publish(
         assert PUBLISH_COUNTERS.get("journal_write_failed") - failed == 2
     finally:
         close_app(app)
+
+
+def test_a_store_that_stalls_for_a_moment_loses_no_journal_entry(
+    redis_server: RedisServer, redis_client: redis.Redis, queue: str, key_prefix: str
+) -> None:
+    # Given a producer whose claim store is a server of its own, with one message journaled
+    store = RedisServer().start()
+    app = _app(redis_server.url, queue, key_prefix, claims_redis_url=store.url)
+    journal = RedisJournal(client=store.client(), prefix=key_prefix)
+    try:
+        _send(app, "t.echo", (0,), task_id="j-stall-0")
+        assert connect_producer(app).flush(timeout_s=10)
+        assert "j-stall-0:0:0" in journal.entries(queue)
+        written = PUBLISH_COUNTERS.get("journal_written")
+
+        # When the store stops answering (SIGSTOP: a long GC pause of a VM, a fork for an RDB
+        # save on a big dataset) while three messages are published, then answers again
+        assert store.proc is not None
+        store.proc.send_signal(signal.SIGSTOP)
+        try:
+            for i in (1, 2, 3):
+                _send(app, "t.echo", (i,), task_id=f"j-stall-{i}")
+        finally:
+            store.proc.send_signal(signal.SIGCONT)
+
+        # Then every message is in the broker and journaled: the publish did not wait for
+        # the store, and the writes were not given up
+        assert redis_client.llen(queue) == 4
+        want = {f"j-stall-{i}:0:0" for i in range(4)}
+        wait_for(lambda: want <= set(journal.entries(queue)), timeout=10)
+        assert _written_since(app, written) == 3
+    finally:
+        close_app(app)
+        store.cleanup()
 
 
 def test_a_producer_with_an_invalid_journal_setting_publishes_unjournaled(

@@ -15,7 +15,7 @@ import signal
 import pytest
 
 from celery_claims import RedisClaimManager
-from celery_claims.worker.guard import _RecordSender
+from celery_claims.worker.sender import ScriptSender
 from tests.servers import RedisServer
 from tests.worker.helpers import unique, wait_done, wait_for
 from tests.worker.processes import Fleet, events_of, executions, unacked_task_ids
@@ -71,13 +71,14 @@ def test_a_record_sent_ahead_loads_its_script_on_a_fresh_store_and_after_a_flush
     # Given a store that has never seen the release script, and a pool process's sender
     manager = RedisClaimManager(url=private_redis.url, prefix=unique("p"))
     manager.client.script_flush()
-    sender = _RecordSender()
+    errors: list[BaseException] = []
+    sender = ScriptSender(lambda reply, error: errors.append(error) if error else None)
     try:
 
         def record(task: str) -> bool:
             token = manager.claim("q", task, "a@host/1/n.1", 60_000).token
             assert token is not None
-            assert sender.send(manager, manager.complete_call(token, 60_000))
+            sender.send(manager.client, manager.complete_call(token, 60_000))
             return wait_for(
                 lambda: manager.done_record("q", task) is not None, timeout=5, what=task
             )
@@ -89,10 +90,11 @@ def test_a_record_sent_ahead_loads_its_script_on_a_fresh_store_and_after_a_flush
         manager.client.script_flush()
         token = manager.claim("q", "lost:0:0", "a@host/1/n.2", 60_000).token
         assert token is not None
-        assert sender.send(manager, manager.complete_call(token, 60_000))
-        assert sender._conn.can_read(timeout=5)  # its NOSCRIPT reply is there to be read
+        sender.send(manager.client, manager.complete_call(token, 60_000))
+        assert sender.drain(timeout_s=5) == 0
+        assert [type(e).__name__ for e in errors] == ["NoScriptError"]
         assert record("after:0:0")
         assert manager.done_record("q", "lost:0:0") is None
     finally:
-        sender._reset()
+        sender.close()
         manager.close()
