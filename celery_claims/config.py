@@ -805,9 +805,10 @@ SETTINGS: tuple[Setting, ...] = (
         "Journal every published message in the claim store until its task is settled, so "
         "a message lost between the broker and a worker (a worker killed after Redis' `BRPOP` "
         "took it off the queue and before kombu recorded it in `unacked`) is re-published. "
-        "Producers journal (one round trip per publish, `install(app)` in the producer "
-        "process); workers clear entries of acked messages and recover the rest. Set it the "
-        "same on producers and workers. See docs/semantics.md, *The publish journal*.",
+        "Producers journal (one write per publish, sent without waiting for the reply; "
+        "`install(app)` in the producer process); workers clear entries of acked messages and "
+        "recover the rest. Set it the same on producers and workers. See docs/semantics.md, "
+        "*The publish journal*.",
         unit="bool",
         option=bool,
         option_help="Journal published messages and recover lost ones.",
