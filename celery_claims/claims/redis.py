@@ -622,6 +622,27 @@ class RedisClaimManager:
             partial(_ack_done_result, token=token),
         )
 
+    def record_call(self, token: ClaimToken, done_ttl_ms: int) -> ScriptCall[bool]:
+        """:meth:`complete`, where a record ``token`` wrote before counts as written.
+
+        For a record that may have been sent ahead by another process of the same owner (a
+        worker's pool process): the call's result is ``True`` if it recorded the completion,
+        ``False`` if it found it recorded by ``token``. One round trip either way.
+
+        Raises:
+            InvalidArgument: a bad token or TTL.
+            ClaimTokenError: (when executed) the token was refused; nothing was written.
+        """
+        require_token(token)
+        require_ms("done_ttl_ms", done_ttl_ms)
+        keys = self.keys(token.queue_id)
+        return ScriptCall(
+            self._scripts["ack_done"],
+            keys.release_keys,
+            [token.task_id, token.owner, token.instance, done_ttl_ms, self._now(), ""],
+            partial(_ack_done_result, token=token),
+        )
+
     def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | GivenUp | None:
         """See :meth:`celery_claims.ClaimManager.done_record`."""
         return self.execute(self.done_record_call(queue_id, task_id))

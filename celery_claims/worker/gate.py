@@ -98,7 +98,7 @@ class ClaimGate:
         self._stopping = False
         self._pre: dict[Any, _Preclaim] = {}
         self.keys = KeySpecs(self.settings)
-        self.life.bind(consumer, self._to_pool, self._claim)
+        self.life.bind(consumer, self._to_pool, self._claim, self._send)
 
     # --- entry point ------------------------------------------------------------------------
 
@@ -291,6 +291,18 @@ class ClaimGate:
         except Exception as exc:
             outcome = exc
         self._settle(copy, outcome)
+
+    def _send(self, call: ScriptCall[Any], callback: Callable[[Any], None]) -> bool:
+        """Send ``call`` on the pipe, its outcome to ``callback`` on the event loop; False
+        (nothing sent) where the pipe cannot be used now: the caller writes it blocking."""
+        pipe = self.pipe()
+        if pipe is None:
+            return False
+        try:
+            pipe.submit(call, callback)
+        except ClaimError:  # could not connect: nothing was sent
+            return False
+        return True
 
     def _claimed(self, copy: Copy, outcome: Any) -> None:
         """The reply to a claim sent on the pipe (event loop)."""

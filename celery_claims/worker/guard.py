@@ -61,6 +61,8 @@ __all__ = [
     "declare_request_key",
     "guard_tasks",
     "is_guarded",
+    "nothing_after_body",
+    "records_left_to_worker",
 ]
 
 logger = get_logger("celery_claims.worker")
@@ -180,7 +182,17 @@ class _Verifier:
 
     def leaves_record_to_ack(self, task: Any, claim: TaskClaim) -> bool:
         """True if the worker's ack will write this attempt's record (module docstring)."""
-        return self.ack_records and _surely_held(claim) and _nothing_after_body(task)
+        request = task.request
+        return (
+            self.ack_records
+            and _surely_held(claim)
+            and nothing_after_body(
+                task,
+                callbacks=request.callbacks,
+                chord=request.chord,
+                ignore_result=getattr(request, "ignore_result", False),
+            )
+        )
 
     def send_record(self, claim: TaskClaim) -> None:
         """Write the attempt's record from a prefork pool process without waiting for it.
@@ -257,21 +269,32 @@ def _surely_held(claim: TaskClaim) -> bool:
     return time.time() * 1000 < claim.expires_at - claim.lease_ms // 4
 
 
-def _nothing_after_body(task: Any) -> bool:
+def nothing_after_body(task: Any, *, callbacks: Any, chord: Any, ignore_result: Any) -> bool:
     """True if nothing Celery does after this task's body returns can fail the attempt.
 
     What can: storing the result (a result backend outage), sending callbacks or a chord's
     part, the task's own ``on_success``; and with early acks the message is gone already.
+    The pool process (from its ``task.request``) and the worker (from the message's request
+    dict, the same fields) answer alike: where this is True the pool process leaves the
+    record to the worker, which writes it before the ack.
     """
-    request = task.request
-    if request.callbacks or request.chord or not task.acks_late:
+    if callbacks or chord or not task.acks_late:
         return False
     if type(task).on_success is not Task.on_success:
         return False
-    return bool(
-        task.ignore_result
-        or getattr(request, "ignore_result", False)
-        or isinstance(task.backend, DisabledBackend)
+    return bool(task.ignore_result or ignore_result or isinstance(task.backend, DisabledBackend))
+
+
+def records_left_to_worker(request: Any) -> bool:
+    """True if the pool process that runs ``request`` (a worker ``Request``) leaves its
+    completion record to the worker, when its lease cannot have run out (and may have, if
+    it could: the worker then writes it again, which is harmless)."""
+    fields = request.request_dict
+    return nothing_after_body(
+        request.task,
+        callbacks=fields.get("callbacks"),
+        chord=fields.get("chord"),
+        ignore_result=fields.get("ignore_result", False),
     )
 
 
@@ -361,9 +384,11 @@ def guard_tasks(
     """Wrap the ``run`` of every claimed task of ``app`` (idempotent); returns how many.
 
     Called when the worker starts, before the pool forks and before the consumer builds the
-    tracers (which capture ``task.run``). ``ack_records``: the worker's ack writes the
-    completion record (the claim store is the Redis broker's server), so a pool process may
-    leave it to the ack.
+    tracers (which capture ``task.run``). ``ack_records``: the worker writes the completion
+    record of a task after whose body nothing can fail before it acks the message (in the
+    ack's own script where the claim store is the Redis broker's server, on the consumer's
+    pipe elsewhere), so a pool process may leave it to the worker
+    (:func:`records_left_to_worker`).
     """
     verifier = _Verifier(settings, manager, ack_records=ack_records)
     wrapped = 0

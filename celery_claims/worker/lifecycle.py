@@ -42,7 +42,7 @@ from celery.utils.log import get_logger
 from celery.worker.state import task_ready
 
 from celery_claims.claims.keys import owner_task_key
-from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.claims.redis import RedisClaimManager, ScriptCall
 from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError, KeyRefused
 from celery_claims.model import AlreadyClaimed, AlreadyDone, ClaimToken, Success, TookOver
 from celery_claims.worker import signals
@@ -58,7 +58,12 @@ from celery_claims.worker.compat import (
     revoke_unrun,
 )
 from celery_claims.worker.failover import RecentCompletions
-from celery_claims.worker.guard import REQUEST_KEY, ClaimUnverified, StaleCopy
+from celery_claims.worker.guard import (
+    REQUEST_KEY,
+    ClaimUnverified,
+    StaleCopy,
+    records_left_to_worker,
+)
 from celery_claims.worker.identity import new_owner
 from celery_claims.worker.keyed import RESCHEDULES_HEADER, KeyedClaim
 from celery_claims.worker.lanes import Lane, LaneSlot, WorkerLanes
@@ -278,6 +283,10 @@ class Lifecycle:
         ride_acks: the claim store is the Redis broker's own server: a succeeded guarded copy's
             completion is written by its ack, in one script (:meth:`succeeded`), and its pool
             process may leave the record to that ack (``guard.py``).
+        records_left: pool processes leave the completion record of a task after whose body
+            nothing can fail to the worker (``guard_tasks(ack_records=True)``), which writes
+            it before the ack: on the consumer's pipe, without holding up the event loop,
+            where the store is not the broker (:meth:`succeeded`).
     """
 
     def __init__(
@@ -305,6 +314,12 @@ class Lifecycle:
         self._lock = threading.Lock()
         self._copies: dict[int, Copy] = {}
         self.ride_acks = False
+        self.records_left = False
+        #: sends a call on the consumer's pipe, its outcome to the callback on the event loop;
+        #: False if it cannot (no pipe, another thread): the caller then writes it blocking
+        self._send: Callable[[ScriptCall[Any], Callable[[Any], None]], bool] = (
+            lambda call, callback: False
+        )
         #: wakes the lease keeper (set by it): a claim's lease is too short for its period
         self.wake_keeper: Callable[[], object] = lambda: None
         #: told ``(queue_id, task_key)`` when a copy's message is acked for good (its publish
@@ -324,11 +339,15 @@ class Lifecycle:
         consumer: Any,
         dispatch: Callable[[Copy], None],
         recheck: Callable[[Copy], None],
+        send: Callable[[ScriptCall[Any], Callable[[Any], None]], bool] | None = None,
     ) -> None:
-        """Attach the consumer (timer, QoS, ``call_soon``) and the gate's pool hand-off."""
+        """Attach the consumer (timer, QoS, ``call_soon``), the gate's pool hand-off and its
+        pipe (``send``)."""
         self._consumer = consumer
         self._dispatch = dispatch
         self._recheck = recheck
+        if send is not None:
+            self._send = send
         if self.lanes is not None:
             self.lanes.bind(consumer, self.lane_granted)
 
@@ -708,7 +727,7 @@ class Lifecycle:
                 # it here: written from this process (it recognises a record already there)
                 self._record(copy, "succeeded", celery_handler)
             return
-        if copy.guarded:
+        if copy.guarded and not (self.records_left and records_left_to_worker(copy.request)):
             # the pool process recorded the completion before the result was stored
             self._finish(copy, State.DONE, "succeeded")
             self.recent.add(copy.token)
@@ -716,7 +735,8 @@ class Lifecycle:
             celery_handler()
             self.on_settled(copy.queue_id, copy.task_key)
             return
-        self._record(copy, "succeeded", celery_handler)
+        # an unguarded task, or one whose pool process left the record to this process
+        self._record(copy, "succeeded", celery_handler, on_pipe=True)
 
     def _ride(self, copy: Copy, celery_handler: Callable[[], object]) -> bool:
         """Let Celery's ack of a succeeded copy write its completion (:meth:`take_ack`).
@@ -1020,12 +1040,59 @@ class Lifecycle:
         logger.debug("Claim %s: %s -> %s", copy.claim_id, why, to.value)
         return True
 
-    def _record(self, copy: Copy, why: str, celery_handler: Callable[[], object]) -> None:
-        """Record done from this process (retries, replacements, unguarded tasks)."""
+    def _record(
+        self,
+        copy: Copy,
+        why: str,
+        celery_handler: Callable[[], object],
+        *,
+        on_pipe: bool = False,
+    ) -> None:
+        """Record done from this process (retries, replacements, unguarded tasks, and tasks
+        whose pool process left the record to it), then run Celery's handler (the ack).
+
+        ``on_pipe``: send the record on the consumer's pipe where it can go there; Celery's
+        handler then runs once it is recorded (:meth:`_completed`, by the reply or, should the
+        reply not come, by the keeper), and the event loop goes on meanwhile.
+        """
         if not self._finish(copy, State.COMPLETING, why):
             celery_handler()
             return
+        if on_pipe and copy.token is not None:
+            # the pool process may have sent the record ahead: found there, it counts
+            call = self.manager.record_call(copy.token, self.settings.done_ttl_ms)
+            copy.deferred_ack = celery_handler
+            if self._send(call, functools.partial(self._record_replied, copy, why)):
+                return
+            copy.deferred_ack = None
+        self._record_now(copy, why, celery_handler)
+
+    def _record_replied(self, copy: Copy, why: str, outcome: Any) -> None:
+        """The reply to a record sent on the pipe (event loop)."""
+        if copy.state is not State.COMPLETING:
+            return  # recorded meanwhile (the keeper), Celery's handler with it
+        if not isinstance(outcome, BaseException):
+            self._completed(copy, why)  # runs Celery's handler (copy.deferred_ack)
+            return
+        # refused (a store restart lost the claim, another copy took it) or not written:
+        # decided the blocking way, as when it could not be sent
+        handler, copy.deferred_ack = copy.deferred_ack, None
+        unreachable = outcome if isinstance(outcome, BackendUnavailable) else None
+        self._record_now(copy, why, handler or (lambda: None), unreachable=unreachable)
+
+    def _record_now(
+        self,
+        copy: Copy,
+        why: str,
+        celery_handler: Callable[[], object],
+        *,
+        unreachable: BackendUnavailable | None = None,
+    ) -> None:
+        """Write the record of a ``COMPLETING`` copy (blocking), then run Celery's handler
+        (``unreachable``: the store was found unreachable just now, it is not asked again)."""
         try:
+            if unreachable is not None:
+                raise unreachable
             found = self._record_done(copy)
         except BackendUnavailable as exc:
             # keep renewing it and retry from the keeper: the attempt is done, and a

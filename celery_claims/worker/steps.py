@@ -123,8 +123,11 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
         self.keeper = Keeper(self.runtime)
         # the ack carries the completion where the store is the Redis broker's own server
         self.runtime.life.ride_acks = store_is_broker(w.app, self.runtime.manager.client)
+        # a pool process leaves the record of a task after whose body nothing can fail to the
+        # worker, which writes it before the ack (in the ack's script, or on its pipe)
+        self.runtime.life.records_left = True
         # before the pool forks and the consumer builds its tracers, which capture task.run
-        guard_tasks(w.app, settings, self.runtime.manager, ack_records=self.runtime.life.ride_acks)
+        guard_tasks(w.app, settings, self.runtime.manager, ack_records=True)
         # what the worker's tasks publish is journaled with the worker's settings (also before
         # the fork, so every pool process inherits them)
         connect_producer(w.app).configure(settings)

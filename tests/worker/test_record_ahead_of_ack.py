@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,14 +26,34 @@ pytestmark = pytest.mark.slow
 APP = "tests.worker.apps.defects_app"
 
 
+@pytest.fixture(params=["store on the broker", "store apart"])
+def store_url(request: pytest.FixtureRequest, private_redis: RedisServer) -> Iterator[str]:
+    """The claim store: the broker's own server (the ack writes the record) or a server of
+    its own (the worker writes it on its pipe before the ack)."""
+    if request.param == "store on the broker":
+        yield private_redis.url
+        return
+    store = RedisServer().start()
+    try:
+        yield store.url
+    finally:
+        store.cleanup()
+
+
 def test_a_finished_task_whose_main_process_stops_before_the_ack_is_not_run_again(
-    fleet: Fleet, private_redis: RedisServer
+    fleet: Fleet, private_redis: RedisServer, store_url: str
 ) -> None:
-    # Given two prefork workers whose claim store is their Redis broker
+    # Given two prefork workers on a Redis broker, with the claim store on it or apart
     broker, queue = private_redis.url, unique("q")
     workers = {
         name: fleet.worker(
-            name, broker=broker, backend=broker, queue=queue, concurrency=1, app=APP
+            name,
+            broker=broker,
+            backend=broker,
+            queue=queue,
+            concurrency=1,
+            app=APP,
+            extra=("--claims-redis-url", store_url),
         ).wait_ready()
         for name in "ab"
     }
@@ -51,7 +72,7 @@ def test_a_finished_task_whose_main_process_stops_before_the_ack_is_not_run_agai
         # Then, once the lease and the visibility timeout have run out and the message was
         # restored to the other worker, that copy is skipped: the task is recorded done and
         # its message leaves the broker
-        claims = fleet.claims(broker)
+        claims = fleet.claims(store_url)
         wait_done(claims, queue, f"{task_id}:0:0", timeout=30)
         redis = fleet.redis(broker)
         wait_for(

@@ -1,11 +1,13 @@
 -- Record a completion and acknowledge the message's delivery on kombu's Redis broker, in one
 -- step: the delivery is removed only if the completion is recorded for this very token.
--- Used when the claim store is the broker's own Redis (same server and database).
+-- Used when the claim store is the broker's own Redis (same server and database); without
+-- KEYS[5..6], only the record (a record this token wrote before counts as written: a pool
+-- process may have sent it ahead).
 -- KEYS[1..4] = as release.lua
--- KEYS[5] = kombu's unacked index (sorted set: delivery tag -> delivered at)
--- KEYS[6] = kombu's unacked hash (delivery tag -> message)
+-- KEYS[5] = kombu's unacked index (sorted set: delivery tag -> delivered at), or absent
+-- KEYS[6] = kombu's unacked hash (delivery tag -> message), or absent
 -- ARGV[1..5] = as release.lua (ARGV[4], the record TTL, must not be '')
--- ARGV[6] = the delivery tag
+-- ARGV[6] = the delivery tag ('' without KEYS[5..6])
 -- returns: {1 recorded, acked} | {7 recorded before by this token, acked}
 --        | {4 NOT_FOUND} | {5 STALE} | {6 NOT_OWNER}: nothing written, the delivery left alone
 -- (on the Redis broker a restored message keeps its tag: another copy's delivery may be this
@@ -22,6 +24,8 @@ if status ~= 1 then
   end
   status = 7
 end
-redis.call('ZREM', KEYS[5], ARGV[6])
-redis.call('HDEL', KEYS[6], ARGV[6])
+if #KEYS == 6 then
+  redis.call('ZREM', KEYS[5], ARGV[6])
+  redis.call('HDEL', KEYS[6], ARGV[6])
+end
 return {status}
