@@ -84,5 +84,8 @@ def check_task_policies(app: Any, settings: ClaimsSettings) -> None:
             task = app.tasks.get(name)
             if task is not None:
                 check_key_arguments(
-                    f"claims_lanes: lane {lane.name!r} key", name, lane.key_names, signature_of(task)
+                    f"claims_lanes: lane {lane.name!r} key",
+                    name,
+                    lane.key_names,
+                    signature_of(task),
                 )

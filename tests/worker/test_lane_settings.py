@@ -170,5 +170,5 @@ def test_a_keyed_lane_whose_listed_task_lacks_the_key_argument_stops_the_worker(
         """Takes no tenant_id."""
 
     # When the worker's start check runs, Then it names the lane and the missing argument
-    with pytest.raises(InvalidArgument, match="lane 'exports' key.*takes no argument 'tenant_id'"):
+    with pytest.raises(InvalidArgument, match=r"lane 'exports' key.*takes no argument 'tenant_id'"):
         check_task_policies(app, load_settings(app))
