@@ -15,6 +15,12 @@ What is measured: ``claim_candidates_for_lane`` with batches of 1, 10 and 100 du
 
 It also counts the commands Redis received per batch (``INFO commandstats``), to show that a
 batch of any size is one ``EVALSHA``: one round trip.
+
+Keyed lanes (``--keyed-only`` runs just this part): a pass of a keyed lane (``limit_per_key``,
+which also reads the key of every live lease) against a pass of a plain lane, interleaved in
+the same run, on a lane holding 16 live leases: a pass of 4 candidates that claims one (its
+one free slot; then given back with ``retry``, timed too), and a re-check of a full lane / of
+keys at their limit that claims nothing. The plain pass is the reference (1.00).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ REDIS_PEER_OPS = 4000
 POSTGRES_PEER_OPS = 600
 #: Each figure is the median of this many runs, each on fresh data.
 REPEATS = 3
+#: Runs of each keyed comparison (odd: a median; alternating which kind goes first).
+KEYED_REPEATS = 5
 #: A lane limit the benchmark never reaches, so every candidate is claimed.
 UNBOUNDED = 10**9
 POSTGRES_URL = os.environ.get(
@@ -263,11 +271,83 @@ def bench_postgres(rows: list[tuple[str, ...]]) -> None:
         engine.dispose()
 
 
+#: The keyed pass scenario: a lane with this many live leases (one key each).
+KEYED_LIVE = 16
+#: Passes per measurement of the keyed comparison.
+KEYED_PASSES = 3000
+
+
+def pass_rate(store: RedisTaskClaimStore, keyed: bool, claims: bool, passes: int) -> float:
+    """Lane passes per second on a lane with ``KEYED_LIVE`` live leases.
+
+    ``claims``: each pass offers 4 candidates and claims one (a free key, then given back with
+    ``retry``, timed too); else it offers 4 candidates of keys at their limit (plain: a full
+    lane) and claims nothing, as a held message's re-check does.
+    """
+    # one slot free (claiming) or none (re-check), so both kinds of pass claim alike
+    lane = TaskLaneConfig(lane="bench", kinds=("job",), limit=KEYED_LIVE + int(claims))
+    live = [TaskClaimCandidate(i, 1 + i, 0, 1) for i in range(KEYED_LIVE)]
+    held_keys = [f"'tenant-{i}'" for i in range(KEYED_LIVE)]
+    store.claim_candidates_for_lane(
+        lane, live, T0, T0, LEASE, **({"keys": held_keys, "limit_per_key": 1} if keyed else {})
+    )
+    first = 1 + KEYED_LIVE
+    tokens = {first + i: 0 for i in range(4)}
+    # a claiming pass: one free key first; a re-check: keys that are all at their limit
+    keys = ["'tenant-free'", *held_keys[:3]] if claims else held_keys[:4]
+    extra: dict[str, Any] = {"keys": keys, "limit_per_key": 1} if keyed else {}
+    started = time.perf_counter()
+    for _ in range(passes):
+        candidates = [TaskClaimCandidate(i, t, n, n + 1) for i, (t, n) in enumerate(tokens.items())]
+        claimed = store.claim_candidates_for_lane(lane, candidates, T0, T0, LEASE, **extra)
+        if claims:
+            (done,) = claimed
+            tokens[done.task_id] = done.processing_token
+            store.retry(done.task_id, done.processing_token, next_run_at=T0)
+        elif claimed:
+            raise SystemExit("a re-check pass claimed a slot")
+    return passes / (time.perf_counter() - started)
+
+
+def bench_keyed(rows: list[tuple[str, ...]]) -> None:
+    """A keyed lane pass against a plain lane pass, interleaved in the same run."""
+    with private_redis() as port:
+        client = redis.Redis(port=port)
+        passes = (
+            (True, "pass claiming 1 of 4 + release", "1 EVALSHA + retry"),
+            (False, "re-check, full", "1 EVALSHA"),
+        )
+        for claims, what, sent in passes:
+            rates: dict[bool, list[float]] = {False: [], True: []}
+            for rep in range(KEYED_REPEATS):
+                # alternate which goes first, so drift on a shared machine hits both alike
+                for keyed in (False, True) if rep % 2 == 0 else (True, False):
+                    store = RedisTaskClaimStore(
+                        client=client,
+                        lanes=[LANE],
+                        prefix=f"k{int(keyed)}{int(claims)}.{rep}",
+                    )
+                    for task_id in range(1, KEYED_LIVE + 5):
+                        store.enqueue(task_id, "job", next_run_at=T0)
+                    rates[keyed].append(pass_rate(store, keyed, claims, KEYED_PASSES))
+            plain, keyed_rate = median(rates[False]), median(rates[True])
+            rows.append(
+                ("redis", f"plain lane {what} (passes/s)", "4", f"{plain:,.0f}", "1.00", sent)
+            )
+            rows.append(
+                ("redis", f"keyed lane {what} (passes/s)", "4", f"{keyed_rate:,.0f}",
+                 f"{keyed_rate / plain:.2f}", sent)
+            )  # fmt: skip
+        client.close()
+
+
 def main() -> None:
     started = time.perf_counter()
     rows: list[tuple[str, ...]] = []
-    bench_redis(rows)
-    bench_postgres(rows)
+    if "--keyed-only" not in sys.argv[1:]:
+        bench_redis(rows)
+        bench_postgres(rows)
+    bench_keyed(rows)
     header = ("store", "operation", "batch", "tasks/s", "vs peer", "per batch")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, tuple("-" * w for w in widths), *rows]:

@@ -31,6 +31,7 @@ from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
 from celery_claims.observe import render
 from celery_claims.observe.journal import Journal
 from celery_claims.observe.views import (
+    DEFAULT_TOP_KEYS,
     find_claims,
     find_key,
     lane_occupancy,
@@ -225,10 +226,17 @@ def list_command(ctx: click.Context, queue: str | None, as_json: bool) -> None:
 
 
 @claims.command()
+@click.option(
+    "--top-keys",
+    type=click.IntRange(min=1),
+    default=DEFAULT_TOP_KEYS,
+    show_default=True,
+    help="Keys shown per keyed lane: those with the most running tasks.",
+)
 @_json_option
 @click.pass_context
-def stats(ctx: click.Context, as_json: bool) -> None:
-    """Per-queue counters and live claims, and lane occupancy."""
+def stats(ctx: click.Context, top_keys: int, as_json: bool) -> None:
+    """Per-queue counters and live claims, and lane occupancy (per key in a keyed lane)."""
     target = _target(ctx)
     with _errors(target):
         manager = target.manager()
@@ -236,7 +244,11 @@ def stats(ctx: click.Context, as_json: bool) -> None:
         per_queue = manager.queue_stats()
         live = {q: len(list_views(manager, q, now)) for q in per_queue}
         lanes = lane_occupancy(
-            manager.client, manager.prefix, now_ms=now, limits=target.lane_limits()
+            manager.client,
+            manager.prefix,
+            now_ms=now,
+            limits=target.lane_limits(),
+            top_keys=top_keys,
         )
     if as_json:
         _emit_json(render.stats_json(per_queue, live, lanes))

@@ -410,6 +410,42 @@ def _at_least_first_retry(value: int, values: Mapping[str, Any]) -> str | None:
     return None
 
 
+# --- keys ------------------------------------------------------------------------------------
+
+#: A callable making a key value from a message's ``(args, kwargs)``.
+KeyFunction = Callable[[tuple[Any, ...], dict[str, Any]], object]
+
+
+def parse_key_declaration(where: str, raw: object) -> tuple[tuple[str, ...], KeyFunction | None]:
+    """Validate the shape of a key declaration (``claims_key``, a keyed lane's ``key``).
+
+    Returns:
+        ``(names, None)`` for an argument name or a tuple of them, ``((), fn)`` for a callable
+        of ``(args, kwargs)``.
+
+    Raises:
+        InvalidArgument: ``raw`` is none of these (``name`` is ``where``).
+    """
+    if isinstance(raw, str):
+        names: tuple[str, ...] = (raw,)
+    elif isinstance(raw, (tuple, list)) and raw and all(isinstance(n, str) for n in raw):
+        names = tuple(raw)
+        if len(set(names)) != len(names):
+            raise InvalidArgument(where, f"names an argument twice: {raw!r:.80}")
+    elif callable(raw) and not isinstance(raw, type):
+        return (), raw
+    else:
+        raise InvalidArgument(
+            where,
+            f"must be an argument name, a tuple of argument names, or a callable of "
+            f"(args, kwargs); got {raw!r:.80}",
+        )
+    for arg in names:
+        if not arg.isidentifier():
+            raise InvalidArgument(where, f"{arg!r:.80} is not an argument name")
+    return names, None
+
+
 # --- lanes -----------------------------------------------------------------------------------
 
 
@@ -422,12 +458,24 @@ class LaneSpec:
         queues: the queues whose messages are in the lane.
         limit: how many of the lane's tasks may run at once across the fleet (0 pauses it).
         kinds: the task names in the lane, or ``None`` for every task of ``queues``.
+        key_names: the arguments a keyed lane's key is made of (empty with ``key_fn``).
+        key_fn: the callable ``(args, kwargs) -> key value`` of a keyed lane, or None.
+        limit_per_key: how many of the lane's tasks with one key may run at once across the
+            fleet (0: the lane has no key).
     """
 
     name: str
     queues: tuple[str, ...]
     limit: int
     kinds: frozenset[str] | None = None
+    key_names: tuple[str, ...] = ()
+    key_fn: KeyFunction | None = None
+    limit_per_key: int = 0
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the lane has a per-key limit (``key`` and ``limit_per_key``)."""
+        return self.limit_per_key > 0
 
     def covers(self, queue: str, task_name: str) -> bool:
         """Whether a message of ``task_name`` delivered from ``queue`` is in this lane."""
@@ -475,11 +523,12 @@ def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
             )
         if not isinstance(spec, Mapping):
             raise InvalidArgument("claims_lanes", f"lane {name!r} must be a dict, got {spec!r:.80}")
-        unknown = sorted(set(spec) - {"queues", "limit", "kinds"})
+        unknown = sorted(set(spec) - {"queues", "limit", "kinds", "key", "limit_per_key"})
         if unknown:
             raise InvalidArgument(
                 "claims_lanes",
-                f"lane {name!r} has unknown keys {unknown}; use queues, limit and kinds",
+                f"lane {name!r} has unknown keys {unknown}; use queues, limit, kinds, key and "
+                f"limit_per_key",
             )
         if "queues" not in spec or "limit" not in spec:
             raise InvalidArgument("claims_lanes", f"lane {name!r} needs 'queues' and 'limit'")
@@ -491,12 +540,16 @@ def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
                 f"lane {name!r} limit must be an int from 0 to 1000000, got {limit!r:.80}",
             )
         kinds = spec.get("kinds")
+        key_names, key_fn, limit_per_key = _lane_key(name, spec, limit)
         lanes.append(
             LaneSpec(
                 name,
                 queues,
                 limit,
                 None if kinds is None else frozenset(_names(f"lane {name!r} kinds", kinds)),
+                key_names=key_names,
+                key_fn=key_fn,
+                limit_per_key=limit_per_key,
             )
         )
     for i, first in enumerate(lanes):
@@ -512,6 +565,31 @@ def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
                     f"kinds",
                 )
     return tuple(lanes)
+
+
+def _lane_key(
+    name: str, spec: Mapping[str, Any], limit: int
+) -> tuple[tuple[str, ...], KeyFunction | None, int]:
+    """The key declaration and per-key limit of lane ``name`` (both or neither)."""
+    if ("key" in spec) != ("limit_per_key" in spec):
+        raise InvalidArgument(
+            "claims_lanes", f"lane {name!r}: 'key' and 'limit_per_key' go together"
+        )
+    if "key" not in spec:
+        return (), None, 0
+    names, fn = parse_key_declaration(f"claims_lanes: lane {name!r} key", spec["key"])
+    per_key = spec["limit_per_key"]
+    if (
+        isinstance(per_key, bool)
+        or not isinstance(per_key, int)
+        or not 1 <= per_key <= max(limit, 1)
+    ):
+        raise InvalidArgument(
+            "claims_lanes",
+            f"lane {name!r} limit_per_key must be an int from 1 to its limit ({limit}), "
+            f"got {per_key!r:.80}",
+        )
+    return names, fn, per_key
 
 
 def _lanes(key: str, value: Any) -> tuple[LaneSpec, ...]:
@@ -698,7 +776,13 @@ SETTINGS: tuple[Setting, ...] = (
         "keys, an empty or non-list `queues`/`kinds`, a negative or non-int `limit`, and two "
         "lanes that could both cover a message (same queue, overlapping or missing `kinds`) "
         "are refused with an error naming `claims_lanes` and the lane. All workers of a lane "
-        "must agree on its limit. See `docs/celery.md`, *Lanes*.",
+        'must agree on its limit. A **keyed lane** adds `"key"` (an argument name, a tuple '
+        "of them, or a callable of `(args, kwargs)`, as for `claims_key`) and "
+        '`"limit_per_key"` (an int from 1 to `limit`): at most that many of its tasks with one '
+        'key run at once, fleet-wide, within `limit` (e.g. `{"queues": ["exports"], '
+        '"limit": 20, "key": "tenant_id", "limit_per_key": 2}`); a message whose key cannot be '
+        "made is refused (recorded as failed with `KeyRefused`). See `docs/celery.md`, "
+        "*Lanes*, and `docs/lanes.md`, *Keyed lanes*.",
         default_doc="none",
     ),
     Setting(

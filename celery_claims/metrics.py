@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import ClaimError, InvalidArgument
-from celery_claims.observe.views import lane_occupancy, server_now_ms
+from celery_claims.observe.views import DEFAULT_TOP_KEYS, lane_occupancy, server_now_ms
 from celery_claims.worker.settings import parse_ports
 
 __all__ = [
@@ -247,11 +247,20 @@ class StoreCollector(Collector):
         waiting = GaugeMetricFamily(
             "celery_claims_lane_waiting", "Tasks waiting in each lane.", labels=["lane", "kind"]
         )
+        per_key = GaugeMetricFamily(
+            "celery_claims_lane_key_active",
+            f"Tasks processing now per key of each keyed lane, for its {DEFAULT_TOP_KEYS} "
+            f"busiest keys only (bounded label cardinality).",
+            labels=["lane", "key"],
+        )
         for lane in lanes:
             active.add_metric([lane.lane, lane.kind], lane.active)
             waiting.add_metric([lane.lane, lane.kind], lane.waiting)
+            for key, count in lane.keys:
+                per_key.add_metric([lane.lane, key], count)
         yield active
         yield waiting
+        yield per_key
         limit = GaugeMetricFamily(
             "celery_claims_lane_limit", "Limit of each lane.", labels=["lane"]
         )

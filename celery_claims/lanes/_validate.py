@@ -129,6 +129,27 @@ def candidates(value: object) -> tuple[TaskClaimCandidate, ...]:
     return result
 
 
+def candidate_keys(keys: object, count: int, limit_per_key: object, limit: int) -> tuple[str, ...]:
+    """Check the keys of a keyed claim pass: one name per candidate, with a per-key limit
+    from 1 to the lane's limit; no keys (``None``) needs ``limit_per_key`` 0. Returns the key
+    of each candidate (``""`` for an unkeyed pass)."""
+    per_key = non_negative_int("limit_per_key", limit_per_key)
+    if keys is None:
+        if per_key != 0:
+            raise InvalidValueError("limit_per_key needs keys, one per candidate")
+        return ("",) * count
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise InvalidValueError(f"keys must be a sequence of str, got {keys!r:.80}")
+    result = tuple(name("candidate key", key) for key in keys)
+    if len(result) != count:
+        raise InvalidValueError(f"{len(result)} keys for {count} candidates: give one each")
+    if not 1 <= per_key <= max(limit, 1):
+        raise InvalidValueError(
+            f"limit_per_key must be from 1 to the lane's limit ({limit}), got {per_key}"
+        )
+    return result
+
+
 def claim_window(
     stale_before: object, claimed_at: object, lease_expires_at: object
 ) -> tuple[datetime, datetime, datetime]:

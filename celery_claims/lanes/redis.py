@@ -426,8 +426,17 @@ class RedisTaskClaimStore:
         stale_before: datetime,
         claimed_at: datetime,
         lease_expires_at: datetime,
+        *,
+        keys: Sequence[str] | None = None,
+        limit_per_key: int = 0,
     ) -> list[ClaimedTask]:
         """Claim candidates in order until the lane is full: one script, one round trip.
+
+        A keyed pass (``keys``, one per candidate, and ``limit_per_key`` >= 1) also counts the
+        lane's live leases per key, in the same script, and skips a candidate whose key holds
+        ``limit_per_key`` of them already (a skipped candidate uses no capacity). The key is
+        kept in the claimed record while its lease lives and dropped by ``retry`` and
+        ``complete``: an idle key leaves nothing in Redis.
 
         Raises:
             InvalidValueError: on a bad argument, a lane this store does not serve, or a
@@ -437,25 +446,33 @@ class RedisTaskClaimStore:
         lane = self._lanes.registered(lane_config)
         checked = check.candidates(candidates)
         _, at, lease = check.claim_window(stale_before, claimed_at, lease_expires_at)
+        candidate_keys = check.candidate_keys(keys, len(checked), limit_per_key, lane_config.limit)
         if not checked:
             return []
-        keys = self.lane_keys(lane.lane_key)
-        args: list[str | int] = [to_us(at), to_us(lease), lane_config.limit, len(lane.kinds)]
+        lane_keys = self.lane_keys(lane.lane_key)
+        args: list[str | int] = [
+            to_us(at),
+            to_us(lease),
+            lane_config.limit,
+            limit_per_key,
+            len(lane.kinds),
+        ]
         args.extend(lane.kinds)
-        for candidate in checked:
+        for candidate, key in zip(checked, candidate_keys, strict=True):
             args.extend(
                 (
                     member(candidate.task_id),
                     str(candidate.expected_processing_token),
                     str(candidate.next_processing_token),
+                    key,
                 )
             )
         with _driver_errors("claim_candidates_for_lane"):
             reply = self._claim(
                 keys=[
-                    keys.tasks,
-                    *(keys.due(kind) for kind in lane.kinds),
-                    *(keys.processing(kind) for kind in lane.kinds),
+                    lane_keys.tasks,
+                    *(lane_keys.due(kind) for kind in lane.kinds),
+                    *(lane_keys.processing(kind) for kind in lane.kinds),
                 ],
                 args=args,
             )

@@ -69,8 +69,8 @@ class JournalEvent:
         worker: the worker's node name.
         claim_id: ``queue/task:retries:nesting``.
         other: the other party: the holder (``held``), the completing owner (``skipped``, or
-            the last holder when given up), the previous owner (``took_over``); empty if
-            unknown.
+            the last holder when given up), the previous owner (``took_over``), the key it
+            waits for (``waiting`` in a keyed lane); empty if unknown.
         instance: the fencing number involved (0 if none).
     """
 

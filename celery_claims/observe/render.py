@@ -240,10 +240,17 @@ def lanes_text(lanes: Sequence[LaneOccupancy]) -> str:
     if not lanes:
         return "lanes: none in use"
     rows = [
-        (lane.lane, lane.kind, lane.active, "-" if lane.limit is None else lane.limit, lane.waiting)
+        (
+            lane.lane,
+            lane.kind,
+            lane.active,
+            "-" if lane.limit is None else lane.limit,
+            lane.waiting,
+            ", ".join(f"{key}={count}" for key, count in lane.keys) or "-",
+        )
         for lane in lanes
     ]
-    return table(("LANE", "KIND", "ACTIVE", "LIMIT", "WAITING"), rows)
+    return table(("LANE", "KIND", "ACTIVE", "LIMIT", "WAITING", "TOP KEYS (RUNNING)"), rows)
 
 
 def stats_text(

@@ -8,6 +8,7 @@ the event journal (:mod:`celery_claims.observe.journal`). Nothing here writes to
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -24,6 +25,7 @@ from celery_claims.observe.journal import JournalEvent
 from celery_claims.validation import require_id
 
 __all__ = [
+    "DEFAULT_TOP_KEYS",
     "MAX_PROBED_NESTING",
     "MAX_PROBED_RETRIES",
     "ClaimView",
@@ -42,6 +44,10 @@ MAX_PROBED_RETRIES = 31
 MAX_PROBED_NESTING = 3
 
 _UNESCAPES = (("%3A", ":"), ("%7B", "{"), ("%7D", "}"), ("%25", "%"))
+
+
+#: How many keys of a keyed lane ``lane_occupancy`` reports (and the exporter labels).
+DEFAULT_TOP_KEYS = 10
 
 
 def _text(value: Any) -> str:
@@ -322,7 +328,9 @@ def mark_waiting(
                 ):
                     last = event
             if last is not None and last.event == "waiting":
-                view = replace(view, state="waiting", lane=last.reason)
+                # in a keyed lane the event names the key it waits for: `lane[key]`
+                lane = f"{last.reason}[{last.other}]" if last.other else last.reason
+                view = replace(view, state="waiting", lane=lane)
         marked.append(view)
     return marked
 
@@ -340,6 +348,8 @@ class LaneOccupancy:
         active: tasks processing with a live lease (using the lane's slots).
         waiting: tasks pending or due for a retry.
         limit: the lane's limit if known (from the configuration), else ``None``.
+        keys: in a keyed lane, the keys with the most live leases and their counts, most
+            first (at most ``top_keys`` of :func:`lane_occupancy`); empty otherwise.
     """
 
     lane: str
@@ -347,6 +357,7 @@ class LaneOccupancy:
     active: int
     waiting: int
     limit: int | None = None
+    keys: tuple[tuple[str, int], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready form."""
@@ -370,17 +381,21 @@ def lane_occupancy(
     *,
     now_ms: int | None = None,
     limits: Mapping[str, int] | None = None,
+    top_keys: int = DEFAULT_TOP_KEYS,
 ) -> list[LaneOccupancy]:
     """Occupancy of every lane of the Redis lane store under ``prefix``.
 
     Lanes are found by a ``SCAN`` for their ``processing`` keys (an operator's read, not a hot
-    path; a lane that never processed a task has no such key yet and is not listed).
+    path; a lane that never processed a task has no such key yet and is not listed). A keyed
+    lane's per-key occupancy is read from its live leases' records (a second round trip; a
+    lane holds at most ``limit`` live leases).
 
     Args:
         client: a Redis client.
         prefix: the lane store's key prefix.
         now_ms: the time leases are judged by (default: the Redis server's clock).
         limits: lane key -> limit, to show next to the counts.
+        top_keys: how many keys of a keyed lane to report, those with the most live leases.
 
     Returns:
         One entry per (lane, kind), sorted.
@@ -404,10 +419,34 @@ def lane_occupancy(
         for lane, kind in found:
             lane_base = f"{base}{escape(lane)}}}"
             # lane scores are epoch microseconds; a lease is live while its expiry is after now
-            pipe.zcount(f"{lane_base}:processing:{escape(kind)}", f"({now * 1000}", "+inf")
+            pipe.zrangebyscore(f"{lane_base}:processing:{escape(kind)}", f"({now * 1000}", "+inf")
             pipe.zcard(f"{lane_base}:due:{escape(kind)}")
         counts = pipe.execute() if found else []
+        live = counts[::2]
+        pipe = client.pipeline(transaction=False)
+        for (lane, _), members in zip(found, live, strict=True):
+            if members:
+                pipe.hmget(f"{base}{escape(lane)}}}:tasks", members)
+        records = iter(pipe.execute() if any(live) else [])
     return [
-        LaneOccupancy(lane, kind, int(active), int(waiting), (limits or {}).get(lane))
-        for (lane, kind), active, waiting in zip(found, counts[::2], counts[1::2], strict=True)
+        LaneOccupancy(
+            lane,
+            kind,
+            len(members),
+            int(waiting),
+            (limits or {}).get(lane),
+            _top_keys(next(records) if members else [], top_keys),
+        )
+        for (lane, kind), members, waiting in zip(found, live, counts[1::2], strict=True)
     ]
+
+
+def _top_keys(records: Sequence[Any], top: int) -> tuple[tuple[str, int], ...]:
+    """The ``top`` keys held by these lease records, with their counts, most first."""
+    held: dict[str, int] = {}
+    for raw in records:
+        # a record the lease listing found but that went away since is simply not counted
+        key = json.loads(_text(raw)).get("key") if raw is not None else None
+        if isinstance(key, str):
+            held[key] = held.get(key, 0) + 1
+    return tuple(sorted(held.items(), key=lambda item: (-item[1], item[0]))[:top])

@@ -115,12 +115,15 @@ def _on_held(
     claim_id: str = "",
     holder: str | None = None,
     lane: str = "",
+    lane_key: str = "",
     instance: int = 0,
     **_: Any,
 ) -> None:
     if reason == "lane":
         # claimed but not running: what `claims list/inspect` must not call running
-        event = JournalEvent(_now_ms(), "waiting", lane, _hostname(request), claim_id, "", instance)
+        event = JournalEvent(
+            _now_ms(), "waiting", lane, _hostname(request), claim_id, lane_key, instance
+        )
     else:
         event = JournalEvent(_now_ms(), "held", reason, _hostname(request), claim_id, holder or "")
     _post(request, event)

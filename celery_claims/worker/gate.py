@@ -133,8 +133,12 @@ class ClaimGate:
             logger.exception("Claim gate cannot read %s[%s]", request.name, request.id)
             return None
         owner = new_owner(self.runtime.hostname)
+        lanes = self.runtime.lanes
         try:
             key = self._key_of(request, queue_id, task_key, owner)
+            # a keyed lane's key is made before the claim: a message without one is refused
+            # (recorded as failed), never claimed and left waiting
+            lane_key = lanes.key_of(queue_id, request) if lanes is not None else ""
         except KeyRefused as exc:
             self.life.refuse(request, exc)
             return None
@@ -146,6 +150,7 @@ class ClaimGate:
             lease_ms=self._lease_ms(request.name, request.task),
             guarded=is_guarded(request.task),
             key=key,
+            lane_key=lane_key,
         )
         self._claim(copy)
         return None
@@ -238,6 +243,10 @@ class ClaimGate:
                 return None
             lease_ms = self._lease_ms(name, task)
             queue_id = self.queues.queue_of(message.delivery_info)
+            lanes = self.runtime.lanes
+            lane = lanes.lane_of(queue_id, name) if lanes is not None else None
+            if lane is not None and lane.spec.keyed:
+                return None  # so is a keyed lane's key
             task_key = claim_task_id(task_id, attempt_of(headers))
             owner = new_owner(self.runtime.hostname)
             call = self._claim_call(queue_id, task_key, owner, lease_ms)

@@ -33,12 +33,12 @@ from __future__ import annotations
 import inspect
 import math
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from celery_claims.claims.keys import keyed_owner, owner_task_key
-from celery_claims.config import KEY_CONFLICTS, setting
+from celery_claims.config import KEY_CONFLICTS, KeyFunction, parse_key_declaration, setting
 from celery_claims.errors import InvalidArgument, KeyRefused
 from celery_claims.validation import MAX_ID_BYTES
 from celery_claims.worker.settings import ClaimsSettings
@@ -50,7 +50,10 @@ __all__ = [
     "KeySpec",
     "KeySpecs",
     "KeyedClaim",
+    "signature_of",
+    "check_key_arguments",
     "key_spec",
+    "key_text",
     "task_id_of",
 ]
 
@@ -100,7 +103,7 @@ class KeySpec:
 
     task_name: str
     names: tuple[str, ...]
-    fn: Callable[[tuple[Any, ...], dict[str, Any]], object] | None
+    fn: KeyFunction | None
     signature: inspect.Signature | None
     namespace: str | None
     conflict: str
@@ -119,35 +122,63 @@ class KeySpec:
         Raises:
             KeyRefused: the key cannot be made from these arguments.
         """
-        text = _text(self._value(tuple(args or ()), dict(kwargs or {})), self.task_name, 0)
-        if len(text) > MAX_KEY_CHARS:
-            raise KeyRefused(
-                self.task_name, f"the key is {len(text)} characters long; at most {MAX_KEY_CHARS}"
-            )
+        text = key_text(self.task_name, self.names, self.fn, self.signature, args, kwargs)
         return f"{self.scope}[{text}]"
 
-    def _value(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
-        if self.fn is not None:
-            try:
-                return self.fn(args, kwargs)
-            except Exception as exc:
-                raise KeyRefused(
-                    self.task_name, f"the claims_key callable raised {type(exc).__name__}: {exc}"
-                ) from exc
-        arguments: Mapping[str, Any] = kwargs
-        if self.signature is not None:
-            try:
-                bound = self.signature.bind(*args, **kwargs)
-            except TypeError as exc:
-                raise KeyRefused(self.task_name, f"the arguments do not bind: {exc}") from None
-            bound.apply_defaults()
-            arguments = {**kwargs, **bound.arguments}
-        values = []
-        for name in self.names:
-            if name not in arguments:
-                raise KeyRefused(self.task_name, f"the message has no argument {name!r}")
-            values.append(arguments[name])
-        return values[0] if len(values) == 1 else tuple(values)
+
+def key_text(
+    task_name: str,
+    names: Sequence[str],
+    fn: KeyFunction | None,
+    signature: inspect.Signature | None,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+) -> str:
+    """The key text of a message of ``task_name``: from the arguments ``names`` (bound with
+    ``signature`` when known), or what ``fn(args, kwargs)`` returns; at most
+    :data:`MAX_KEY_CHARS` characters.
+
+    Raises:
+        KeyRefused: the key cannot be made from these arguments.
+    """
+    value = _value(task_name, names, fn, signature, tuple(args or ()), dict(kwargs or {}))
+    text = _text(value, task_name, 0)
+    if len(text) > MAX_KEY_CHARS:
+        raise KeyRefused(
+            task_name, f"the key is {len(text)} characters long; at most {MAX_KEY_CHARS}"
+        )
+    return text
+
+
+def _value(
+    task_name: str,
+    names: Sequence[str],
+    fn: KeyFunction | None,
+    signature: inspect.Signature | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> object:
+    if fn is not None:
+        try:
+            return fn(args, kwargs)
+        except Exception as exc:
+            raise KeyRefused(
+                task_name, f"the claims_key callable raised {type(exc).__name__}: {exc}"
+            ) from exc
+    arguments: Mapping[str, Any] = kwargs
+    if signature is not None:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise KeyRefused(task_name, f"the arguments do not bind: {exc}") from None
+        bound.apply_defaults()
+        arguments = {**kwargs, **bound.arguments}
+    values = []
+    for name in names:
+        if name not in arguments:
+            raise KeyRefused(task_name, f"the message has no argument {name!r}")
+        values.append(arguments[name])
+    return values[0] if len(values) == 1 else tuple(values)
 
 
 def _text(value: object, task_name: str, depth: int) -> str:
@@ -296,28 +327,9 @@ def key_spec(task: Any, name: str, settings: ClaimsSettings) -> KeySpec | None:
     where = f"{name}.claims_key"
     if getattr(task, "claims", True) is False:
         raise InvalidArgument(where, "is set on a task with claims = False")
-    signature = _signature(task)
-    names: tuple[str, ...] = ()
-    fn = None
-    if isinstance(raw, str):
-        names = (raw,)
-    elif isinstance(raw, (tuple, list)) and raw and all(isinstance(n, str) for n in raw):
-        names = tuple(raw)
-        if len(set(names)) != len(names):
-            raise InvalidArgument(where, f"names an argument twice: {raw!r:.80}")
-    elif callable(raw) and not isinstance(raw, type):
-        fn = raw
-    else:
-        raise InvalidArgument(
-            where,
-            f"must be an argument name, a tuple of argument names, or a callable of "
-            f"(args, kwargs); got {raw!r:.80}",
-        )
-    for arg in names:
-        if not arg.isidentifier():
-            raise InvalidArgument(where, f"{arg!r:.80} is not an argument name")
-        if signature is not None and not _takes(signature, arg):
-            raise InvalidArgument(where, f"{name} takes no argument {arg!r}")
+    signature = signature_of(task)
+    names, fn = parse_key_declaration(where, raw)
+    check_key_arguments(where, name, names, signature)
     return KeySpec(
         task_name=name,
         names=names,
@@ -333,7 +345,21 @@ def key_spec(task: Any, name: str, settings: ClaimsSettings) -> KeySpec | None:
     )
 
 
-def _signature(task: Any) -> inspect.Signature | None:
+def check_key_arguments(
+    where: str, name: str, names: Sequence[str], signature: inspect.Signature | None
+) -> None:
+    """Check that task ``name`` takes every argument a key is made of.
+
+    Raises:
+        InvalidArgument: it takes no argument of one of ``names`` (``name`` is ``where``).
+    """
+    for arg in names:
+        if signature is not None and not _takes(signature, arg):
+            raise InvalidArgument(where, f"{name} takes no argument {arg!r}")
+
+
+def signature_of(task: Any) -> inspect.Signature | None:
+    """The signature of ``task``'s ``run`` (without ``self``), or None if unknown."""
     run = getattr(task, "run", None)
     try:
         # a bound task's run is a bound method: `self` is not a parameter

@@ -37,6 +37,8 @@ How a Celery message maps onto that machinery:
 from __future__ import annotations
 
 import contextlib
+import inspect
+import itertools
 import math
 import secrets
 import threading
@@ -61,6 +63,7 @@ from celery_claims.lanes.model import (
 )
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.worker import signals
+from celery_claims.worker.keyed import key_text, signature_of
 from celery_claims.worker.settings import ClaimsSettings, LaneSpec
 
 __all__ = ["Lane", "LaneSlot", "LaneWaiter", "Ticket", "WorkerLaneView", "WorkerLanes"]
@@ -103,6 +106,7 @@ class LaneWaiter:
         since: when it started waiting (``time.monotonic()``).
         held: its prefetch slot was given back (the lane was full on a pass).
         ticket: the ticket it will claim, once it is among the first ``limit`` waiting.
+        key: its key in a keyed lane (``""`` in a lane without a key).
     """
 
     request: Any
@@ -110,6 +114,7 @@ class LaneWaiter:
     since: float = field(default_factory=time.monotonic)
     held: bool = False
     ticket: Ticket | None = None
+    key: str = ""
 
 
 class Lane:
@@ -141,16 +146,20 @@ class WorkerLaneView:
     def __init__(self, lanes: WorkerLanes, lane: Lane) -> None:
         self.lanes = lanes
         self.lane = lane
+        #: the key of each listed ticket (a keyed lane's claim sends them with the candidates)
+        self.ticket_keys: dict[int, str] = {}
 
     def list_claimable_by_kinds(
         self, now: datetime, stale_before: datetime, kinds: Sequence[str], limit: int
     ) -> list[TaskRecord[str]]:
-        """The tickets of the first ``limit`` waiting messages (tickets made as needed)."""
+        """The tickets of the first ``limit`` waiting messages (tickets made as needed); in a
+        keyed lane, of the first ``limit`` taking at most ``limit_per_key`` of each key."""
         records: list[TaskRecord[str]] = []
-        for waiter in list(self.lane.waiting)[:limit]:
+        for waiter in self.lanes.candidates(self.lane, limit):
             if waiter.ticket is None:
                 waiter.ticket = self.lanes.take_ticket(self.lane)
             ticket = waiter.ticket
+            self.ticket_keys[ticket.id] = waiter.key
             records.append(
                 TaskRecord(ticket.id, self.lane.kind, TaskStatus.PENDING, ticket.token, now)
             )
@@ -168,9 +177,19 @@ class WorkerLaneView:
         claimed_at: datetime,
         lease_expires_at: datetime,
     ) -> list[ClaimedTask]:
-        """Claim in the shared store: one script, one round trip."""
+        """Claim in the shared store: one script, one round trip (per-key limit included)."""
+        if not self.lane.spec.keyed:
+            return self.lanes.store.claim_candidates_for_lane(
+                lane_config, candidates, stale_before, claimed_at, lease_expires_at
+            )
         return self.lanes.store.claim_candidates_for_lane(
-            lane_config, candidates, stale_before, claimed_at, lease_expires_at
+            lane_config,
+            candidates,
+            stale_before,
+            claimed_at,
+            lease_expires_at,
+            keys=[self.ticket_keys[c.task_id] for c in candidates],
+            limit_per_key=self.lane.spec.limit_per_key,
         )
 
 
@@ -198,6 +217,7 @@ class WorkerLanes:
         # a lane lease of whole seconds (the algorithm's unit), at least the claim lease
         self.stale_secs = max(1, math.ceil(settings.lease_ms / 1000))
         self._lock = threading.Lock()
+        self._signatures: dict[str, inspect.Signature | None] = {}
         self.consumer: Any = None
         self.dispatch: Callable[[Any, LaneSlot], None] | None = None
         #: the worker's prefetch slot ledger (``lifecycle.SlotLedger``), set by the lifecycle
@@ -224,6 +244,46 @@ class WorkerLanes:
 
     # --- admission and passes (event loop) --------------------------------------------------
 
+    def key_of(self, queue_id: str, request: Any) -> str:
+        """The key of ``request`` (delivered from ``queue_id``) in its keyed lane, or ``""``
+        when it is in no keyed lane.
+
+        Raises:
+            KeyRefused: its key cannot be made from its arguments (see ``keyed.py``).
+        """
+        lane = self.lane_of(queue_id, request.name)
+        if lane is None or not lane.spec.keyed:
+            return ""
+        name = request.name
+        if name not in self._signatures:
+            self._signatures[name] = signature_of(request.task)
+        spec = lane.spec
+        return key_text(
+            name, spec.key_names, spec.key_fn, self._signatures[name], request.args, request.kwargs
+        )
+
+    def candidates(self, lane: Lane, limit: int) -> list[LaneWaiter]:
+        """The waiting messages a pass offers the store, oldest first: the first ``limit``;
+        in a keyed lane the first ``limit`` once each key's beyond ``limit_per_key`` are
+        passed over, so the oldest message of every key is among them (fairness: a key with
+        1,000 messages waiting does not hide one with 1).
+
+        ``limit`` candidates are enough: a key the store finds at its limit holds at least as
+        many live slots as it has candidates, so a pass that claims fewer than ``limit``
+        leaves the lane full.
+        """
+        if not lane.spec.keyed:
+            return list(itertools.islice(lane.waiting, limit))
+        chosen: list[LaneWaiter] = []
+        taken: dict[str, int] = {}
+        for waiter in lane.waiting:
+            if len(chosen) >= limit:
+                break
+            if taken.get(waiter.key, 0) < lane.spec.limit_per_key:
+                taken[waiter.key] = taken.get(waiter.key, 0) + 1
+                chosen.append(waiter)
+        return chosen
+
     def admit(self, lane: Lane, copy: Any) -> None:
         """Queue a claimed message for its lane; a pass for it runs on the next loop turn.
 
@@ -231,7 +291,7 @@ class WorkerLanes:
         (another round trip) is left to the next turn of the event loop, where one pass
         serves every message that arrived meanwhile.
         """
-        lane.waiting.append(LaneWaiter(copy.request, copy))
+        lane.waiting.append(LaneWaiter(copy.request, copy, key=copy.lane_key))
         self._soon(lane, "arrival")
 
     def run_pass(self, lane: Lane, why: str) -> None:
@@ -311,14 +371,28 @@ class WorkerLanes:
             self.counters.incr("lane_held")
             request = waiter.request
             recheck_s = self.settings.lane_recheck_ms / 1000
-            logger.info(
-                "Held %s[%s]: lane %s is full (limit %d); kept unacked, re-checking every %.1f s",
-                request.name,
-                request.id,
-                lane.name,
-                lane.spec.limit,
-                recheck_s,
-            )
+            if lane.spec.keyed:
+                logger.info(
+                    "Held %s[%s]: lane %s is full (limit %d) or key %s is (limit_per_key %d); "
+                    "kept unacked, re-checking every %.1f s",
+                    request.name,
+                    request.id,
+                    lane.name,
+                    lane.spec.limit,
+                    waiter.key,
+                    lane.spec.limit_per_key,
+                    recheck_s,
+                )
+            else:
+                logger.info(
+                    "Held %s[%s]: lane %s is full (limit %d); kept unacked, re-checking every "
+                    "%.1f s",
+                    request.name,
+                    request.id,
+                    lane.name,
+                    lane.spec.limit,
+                    recheck_s,
+                )
             signals.task_held.send(
                 sender=request.task,
                 request=request,
@@ -327,6 +401,7 @@ class WorkerLanes:
                 holder=None,
                 recheck_s=recheck_s,
                 lane=lane.name,
+                lane_key=waiter.key,
                 instance=waiter.claim.instance,
             )
 

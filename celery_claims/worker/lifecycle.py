@@ -171,6 +171,7 @@ class Copy:
         overran: it ran past its time limit (reported once).
         key: its keyed claim (``claims_key``): ``queue_id`` and ``task_key`` are then the
             key's claim queue and field, and ``owner`` names the attempt (``keyed.py``).
+        lane_key: its key in a keyed lane (``""`` when it is in none).
     """
 
     request: Any
@@ -198,6 +199,7 @@ class Copy:
     renew_until: float = math.inf
     overran: bool = False
     key: KeyedClaim | None = None
+    lane_key: str = ""
 
     @property
     def claim_id(self) -> str:
@@ -451,8 +453,10 @@ class Lifecycle:
         lease_ms: int,
         guarded: bool,
         key: KeyedClaim | None = None,
+        lane_key: str = "",
     ) -> Copy:
-        """A new copy in the gate (``RECEIVED``); ``key``: its keyed claim, if any."""
+        """A new copy in the gate (``RECEIVED``); ``key``: its keyed claim, if any;
+        ``lane_key``: its key in a keyed lane, if it is in one."""
         refresh = self.settings.refresh_unacked
         copy = Copy(
             request=request,
@@ -463,6 +467,7 @@ class Lifecycle:
             guarded=guarded,
             delivery=Delivery.of(request.message) if refresh else None,
             key=key,
+            lane_key=lane_key,
         )
         with self._lock:
             self._copies[id(copy)] = copy

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery_claims.errors import InvalidArgument
-from celery_claims.worker.keyed import key_spec
+from celery_claims.worker.keyed import check_key_arguments, key_spec, signature_of
 from celery_claims.worker.settings import ClaimsSettings
 
 __all__ = ["EXEMPT_PREFIXES", "check_task_policies", "is_exempt", "time_limit_of"]
@@ -62,7 +62,8 @@ def time_limit_of(
 def check_task_policies(app: Any, settings: ClaimsSettings) -> None:
     """Validate the per-task ``claims``, ``claims_lease_ms`` and keyed-claim attributes
     (``claims_key`` and its ``claims_key_*``, :func:`~celery_claims.worker.keyed.key_spec`)
-    of every task.
+    of every task, and that the tasks a keyed lane lists under ``kinds`` take its key's
+    arguments.
 
     Raises:
         InvalidArgument: an attribute has the wrong type or an unusable value.
@@ -76,3 +77,15 @@ def check_task_policies(app: Any, settings: ClaimsSettings) -> None:
             settings.check_task_lease(name, lease)
         if not name.startswith(EXEMPT_PREFIXES):
             key_spec(task, name, settings)
+    for lane in settings.lanes:
+        # a keyed lane's tasks are known when it lists its kinds; the others' messages are
+        # checked as they arrive (a message whose key cannot be made is refused)
+        for name in sorted(lane.kinds or ()):
+            task = app.tasks.get(name)
+            if task is not None:
+                check_key_arguments(
+                    f"claims_lanes: lane {lane.name!r} key",
+                    name,
+                    lane.key_names,
+                    signature_of(task),
+                )

@@ -33,7 +33,8 @@ task_skipped = Signal(name="celery_claims.task_skipped")
 #: another worker's lease is live, ``"unavailable"`` while the claim store cannot be reached,
 #: ``"lane"`` while its lane is full: claimed, waiting for a slot), ``claim_id``, ``holder``
 #: (the other owner, or ``None``), ``recheck_s`` (next check); for ``"lane"`` also ``lane``
-#: (the lane's name) and ``instance`` (the fencing number of its claim).
+#: (the lane's name), ``lane_key`` (its key in a keyed lane, else ``""``) and ``instance``
+#: (the fencing number of its claim).
 task_held = Signal(name="celery_claims.task_held")
 
 #: A copy that waited for its full lane got a slot and goes to the pool. Arguments:

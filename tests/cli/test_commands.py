@@ -80,7 +80,7 @@ def test_stats_shows_the_queue_counters_and_a_busy_lane(live_fleet: LiveFleet) -
     assert counters["successes"] >= 2
     assert counters["contentions"] >= 1
     assert data["lanes"] == [
-        {"lane": "video", "kind": "render", "active": 1, "waiting": 1, "limit": None}
+        {"lane": "video", "kind": "render", "active": 1, "waiting": 1, "limit": None, "keys": []}
     ]
     assert task.id in (7001, 7002)
 

@@ -9,6 +9,7 @@ from celery import Celery
 
 from celery_claims import InvalidArgument
 from celery_claims.worker import install, load_settings
+from celery_claims.worker.policy import check_task_policies
 from celery_claims.worker.settings import LaneSpec
 from tests.worker.helpers import unique
 
@@ -94,3 +95,80 @@ def test_lanes_sharing_a_queue_with_disjoint_kinds_are_accepted() -> None:
 def test_an_invalid_lane_recheck_or_strict_flag_is_refused(key: str, value: Any) -> None:
     with pytest.raises(InvalidArgument, match=key):
         _settings(**{key: value})
+
+
+def _tenant_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+    return kwargs["tenant_id"]
+
+
+@pytest.mark.parametrize(
+    ("key", "names", "fn"),
+    [
+        ("tenant_id", ("tenant_id",), None),
+        (("tenant_id", "region"), ("tenant_id", "region"), None),
+        (_tenant_key, (), _tenant_key),
+    ],
+)
+def test_a_keyed_lane_reads_its_key_and_per_key_limit(key: Any, names: Any, fn: Any) -> None:
+    # Given a keyed lane, When the settings are read
+    lanes = {"exports": {"queues": ["exports"], "limit": 20, "key": key, "limit_per_key": 2}}
+    (lane,) = _settings(claims_lanes=lanes).lanes
+
+    # Then it carries its key and its per-key limit beside its limit
+    assert (lane.limit, lane.key_names, lane.key_fn, lane.limit_per_key) == (20, names, fn, 2)
+    assert lane.keyed
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"key": "tenant_id"}, "'key' and 'limit_per_key' go together"),
+        ({"limit_per_key": 1}, "'key' and 'limit_per_key' go together"),
+        ({"key": 42, "limit_per_key": 1}, "key.*must be an argument name"),
+        ({"key": (), "limit_per_key": 1}, "key.*must be an argument name"),
+        ({"key": "not a name", "limit_per_key": 1}, "is not an argument name"),
+        ({"key": ("a", "a"), "limit_per_key": 1}, "names an argument twice"),
+        ({"key": "t", "limit_per_key": 0}, "limit_per_key must be an int from 1 to its limit"),
+        (
+            {"key": "t", "limit_per_key": 5},
+            r"limit_per_key must be an int from 1 to its limit \(4\)",
+        ),
+        ({"key": "t", "limit_per_key": 1.0}, "limit_per_key must be an int"),
+        ({"key": "t", "limit_per_key": True}, "limit_per_key must be an int"),
+        ({"key": "t", "limit_per_key": "2"}, "limit_per_key must be an int"),
+    ],
+)
+def test_a_bad_keyed_lane_is_refused_in_one_line_naming_the_lane(
+    extra: dict[str, Any], message: str
+) -> None:
+    # Given a keyed lane with a bad key or per-key limit
+    lanes = {"exports": {"queues": ["exports"], "limit": 4, **extra}}
+
+    # When the settings are read, Then one line names claims_lanes, the lane and what is wrong
+    with pytest.raises(InvalidArgument, match=f"claims_lanes.*'exports'.*{message}") as caught:
+        _settings(claims_lanes=lanes)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_keyed_lane_whose_listed_task_lacks_the_key_argument_stops_the_worker() -> None:
+    # Given a keyed lane listing a task that takes no tenant_id
+    lanes = {
+        "exports": {
+            "queues": ["exports"],
+            "limit": 4,
+            "kinds": ["t.export"],
+            "key": "tenant_id",
+            "limit_per_key": 1,
+        }
+    }
+    app = Celery(unique("lanes"), broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.update(claims_lanes=lanes)
+    install(app)
+
+    @app.task(shared=False, name="t.export")
+    def export(customer_id: str) -> None:
+        """Takes no tenant_id."""
+
+    # When the worker's start check runs, Then it names the lane and the missing argument
+    with pytest.raises(InvalidArgument, match=r"lane 'exports' key.*takes no argument 'tenant_id'"):
+        check_task_policies(app, load_settings(app))

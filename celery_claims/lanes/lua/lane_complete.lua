@@ -15,6 +15,8 @@ if record.status ~= 'processing' then
   return {NOT_PROCESSING}
 end
 record.status = 'done'
+-- the attempt's key goes with its lease: nothing of an idle key stays in the lane
+record.key = nil
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(record))
 redis.call('ZREM', KEYS[2], ARGV[1])
 return {OK}

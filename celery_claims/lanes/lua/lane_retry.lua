@@ -16,6 +16,8 @@ end
 record.status = 'retry'
 record.next_run_at_us = ARGV[3]
 record.lease_expires_at_us = ''
+-- the attempt's key goes with its lease: nothing of an idle key stays in the lane
+record.key = nil
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(record))
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
