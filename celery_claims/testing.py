@@ -455,6 +455,10 @@ def _opt_id(task_id: Any) -> str | None:
     return None if task_id is None else _task_id(task_id)
 
 
+def _unsubscribed(task_id: str) -> None:
+    """The ``cancel_for`` of a closed app's result consumer: nothing left to unsubscribe."""
+
+
 def close_app(app: Any) -> None:
     """Close what an app opened in this thread (result consumer, backend connections).
 
@@ -467,6 +471,11 @@ def close_app(app: Any) -> None:
     if consumer is not None:
         with contextlib.suppress(Exception):
             consumer.stop()
+        # A result the collector frees later (one in a reference cycle) would unsubscribe
+        # through the stopped consumer, reconnecting for 20 s to a server that may be gone by
+        # then and raising in its finaliser: a closed app's results unsubscribe from nothing.
+        with contextlib.suppress(Exception):
+            consumer.cancel_for = _unsubscribed
     client = getattr(backend, "client", None)
     if client is not None:
         with contextlib.suppress(Exception):

@@ -6,6 +6,9 @@ What the kit reports on a real worker (a skipped duplicate, a held copy taken ov
 
 from __future__ import annotations
 
+import gc
+import signal
+import sys
 import uuid
 from typing import Any
 
@@ -72,3 +75,27 @@ def test_memory_claims_run_on_the_manual_clock(
     result = memory_claims.claim("q", "t", "worker-b", 1000)
     assert isinstance(result, TookOver)
     assert result.previous_owner == "worker-a"
+
+
+def test_close_app_leaves_no_result_to_unsubscribe_from_a_server_gone_since(
+    key_prefix: str, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an app whose result backend is a server of its own, and a result it subscribed
+    # to that only the garbage collector will free (held in a reference cycle)
+    server = RedisServer().start()
+    app = make_app(server.url, queue=queue, claims_prefix=key_prefix)
+    cycle: list[Any] = [app.send_task("t.never_run", task_id=f"gone-{uuid.uuid4().hex}")]
+    cycle.append(cycle)
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda hook: raised.append(hook.exc_value))
+    try:
+        # When the app is closed, the server stops, and the collector then frees the result
+        close_app(app)
+        server.stop(signal.SIGKILL)
+        del cycle
+        gc.collect()
+
+        # Then the result's finaliser does not try to reach the server that is gone
+        assert raised == []
+    finally:
+        server.cleanup()
