@@ -1,5 +1,6 @@
 """Keyed lanes (issue 13, item 2): a per-key limit beside the lane's limit, fleet-wide, fair
-between keys, leaving no key state behind; real prefork workers on a Redis broker."""
+between keys, leaving no key state behind; real prefork workers on a Redis broker
+(the 30/3/1 scenario on RabbitMQ too)."""
 
 from __future__ import annotations
 
@@ -52,22 +53,25 @@ def _lane_state(url: str) -> dict[bytes, list[bytes]]:
 
 
 def test_a_keyed_lane_caps_each_tenant_and_the_lane_and_small_tenants_are_not_starved(
-    fleet: Fleet, private_redis: RedisServer
+    request: pytest.FixtureRequest, broker: str, fleet: Fleet, private_redis: RedisServer
 ) -> None:
-    # Given lane "exports" (limit 4, 1 per tenant_id) and 2 workers x prefork -c 2
+    # Given lane "exports" (limit 4, 1 per tenant_id) and 2 workers x prefork -c 2, on a
+    # Redis broker or RabbitMQ (claims, lanes and results in a private Redis)
     url, queue = private_redis.url, unique("exports")
+    if hasattr(request.node, "rabbitmq_queues"):
+        request.node.rabbitmq_queues.extend([queue, f"{queue}-other"])
     lanes = {
         "exports": {"queues": [queue], "limit": LIMIT, "key": "tenant_id", "limit_per_key": PER_KEY}
     }
     workers = [
         lanes_worker(
-            fleet, name, broker=url, backend=url, queue=queue, lanes=lanes, lane_recheck_ms=200
+            fleet, name, broker=broker, backend=url, queue=queue, lanes=lanes, lane_recheck_ms=200
         )
         for name in ("a", "b")
     ]
     for proc in workers:
         proc.wait_ready()
-    client = fleet.client(url, url, queue)
+    client = fleet.client(broker, url, queue)
 
     # When the big tenant's 30 tasks are sent first, then the others' 3 and 1
     results = [
