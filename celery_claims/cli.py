@@ -34,6 +34,8 @@ from celery_claims.observe.views import (
     DEFAULT_TOP_KEYS,
     find_claims,
     find_key,
+    find_key_waiters,
+    lane_key_running,
     lane_occupancy,
     list_views,
     mark_waiting,
@@ -291,21 +293,33 @@ def inspect(ctx: click.Context, task_id: str, queues: tuple[str, ...], as_json: 
 @_json_option
 @click.pass_context
 def key_command(ctx: click.Context, key: str, queues: tuple[str, ...], as_json: bool) -> None:
-    """Who holds KEY of keyed tasks (`<task or namespace>[<key>]`, as `list` shows it, e.g.
-    "tasks.sync['acme']"), until when, and whether it is kept done (claims_key_done_ttl)."""
+    """Who holds KEY and what waits on it. KEY is a keyed task's key
+    (`<task or namespace>[<key>]`, as `list` shows it, e.g. "tasks.sync['acme']": its holder,
+    until when, whether it is kept done by claims_key_done_ttl, and the copies held waiting
+    for it) or a keyed lane's (`<lane>[<key>]`, e.g. "exports['acme']": the lane slots it
+    holds and the messages waiting for its slot)."""
     target = _target(ctx)
     with _errors(target):
         manager = target.manager()
         now = server_now_ms(manager.client)
         views = find_key(manager, key, queues=list(queues) or None, now_ms=now)
+        lanes = lane_key_running(manager.client, manager.prefix, key, now_ms=now)
+        waiters = find_key_waiters(
+            manager, key, holders=views, queues=list(queues) or None, now_ms=now
+        )
+    found = bool(views or lanes or waiters)
     if as_json:
-        _emit_json(render.key_json(key, now, views))
-        if not views:
+        _emit_json(render.key_json(key, now, views, lanes, waiters))
+        if not found:
             sys.exit(EXIT_NOT_FOUND)
         return
-    if not views:
-        _fail(f"key {key!r} is free: no claim holds it and it is not kept done", EXIT_NOT_FOUND)
-    click.echo(render.key_text(key, now, views))
+    if not found:
+        _fail(
+            f"key {key!r} is free: no claim or lane slot holds it, it is not kept done, and "
+            f"nothing waits on it",
+            EXIT_NOT_FOUND,
+        )
+    click.echo(render.key_text(key, now, views, lanes, waiters))
 
 
 @claims.command()

@@ -13,6 +13,13 @@ lease lost, released after a failure). A worker writes it from a thread of its o
 Key, for prefix ``P``: ``P:journal:{<escaped task id>}``, a list of JSON events, newest first,
 capped at :data:`JOURNAL_MAX_EVENTS` and expiring :data:`DEFAULT_JOURNAL_TTL_MS` after the last
 event. One key per task id, so it lives in one Redis Cluster slot.
+
+A keyed task's copy held while another task holds its key (``claims_key``, policy ``wait``)
+is also indexed under the key, so that ``celery claims key K`` finds what waits on ``K``:
+``P:journal:key:{<escaped key field>}``, a sorted set of the waiting task ids scored by when
+they were held, capped at :data:`MAX_KEY_WAITERS` and expiring like a journal. The index is
+written only when a copy is held for a key, and a copy that then gets the key leaves it, so a
+key nobody waits on has none.
 """
 
 from __future__ import annotations
@@ -31,14 +38,18 @@ __all__ = [
     "DEFAULT_JOURNAL_TTL_MS",
     "JOURNAL_MAX_EVENTS",
     "Journal",
+    "MAX_KEY_WAITERS",
     "JournalEvent",
     "journal_key",
+    "key_waiters_key",
 ]
 
 #: Events kept per task id (the newest); a task redelivered more often than this is rare.
 JOURNAL_MAX_EVENTS = 50
 #: A journal expires this long after its last event (the default completion retention).
 DEFAULT_JOURNAL_TTL_MS = 24 * 3600 * 1000
+#: Task ids kept (the newest) in the index of the copies waiting on one key.
+MAX_KEY_WAITERS = 1000
 
 
 def journal_key(prefix: str, task_id: str) -> str:
@@ -48,6 +59,16 @@ def journal_key(prefix: str, task_id: str) -> str:
         InvalidArgument: a bad prefix or task id.
     """
     return f"{require_prefix(prefix)}:journal:{{{escape(require_id('task_id', task_id))}}}"
+
+
+def key_waiters_key(prefix: str, key: str) -> str:
+    """The index of the copies waiting on the key field ``key`` of keyed tasks (a task id's
+    journal key cannot be this one: its hash tag follows ``journal:`` at once).
+
+    Raises:
+        InvalidArgument: a bad prefix or key.
+    """
+    return f"{require_prefix(prefix)}:journal:key:{{{escape(require_id('key', key))}}}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +82,8 @@ class JournalEvent:
             the slot it waited for: to the pool), ``"took_over"`` (ran after another owner's
             lease expired), ``"lease_lost"`` (fenced while running), ``"released"`` (the
             attempt ended without success, its claim released: a later copy runs it again),
-            or ``"acquired"`` (ran; only with ``record_acquired``).
+            or ``"acquired"`` (ran; with ``record_acquired``, or a keyed copy that was held
+            got its key).
         reason: for ``skipped``: ``"done"`` or ``"given_up"`` (a poison task); for ``held``:
             ``"held"`` (another lease is live) or ``"unavailable"`` (the claim store was
             down); for ``waiting`` and ``lane_slot``: the lane; for ``released``: why (e.g.
@@ -72,6 +94,10 @@ class JournalEvent:
             the last holder when given up), the previous owner (``took_over``), the key it
             waits for (``waiting`` in a keyed lane); empty if unknown.
         instance: the fencing number involved (0 if none).
+        key: for a keyed task's copy (``claims_key``) held while another task holds its key,
+            or getting the key after it was held (``held``, ``acquired``, ``took_over``),
+            the key's field (``<task or namespace>[<key>]``); else empty. Such an event
+            also adds the task to the key's waiters index (``held``) or removes it.
     """
 
     at_ms: int
@@ -81,6 +107,7 @@ class JournalEvent:
     claim_id: str = ""
     other: str = ""
     instance: int = 0
+    key: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready form (what the journal stores)."""
@@ -136,7 +163,9 @@ class Journal:
     def record_many(self, events: Iterable[tuple[str, JournalEvent]]) -> None:
         """Add each ``(task id, event)`` to its task's journal, in order, in one round trip.
 
-        Every pair is checked before anything is sent: a bad one writes nothing.
+        Every pair is checked before anything is sent: a bad one writes nothing. An event
+        naming a key (:attr:`JournalEvent.key`) also adds the task to the key's waiters index
+        (``held``) or takes it out (any other event).
 
         Raises:
             InvalidArgument: a bad task id or event.
@@ -146,16 +175,39 @@ class Journal:
         for task_id, event in events:
             if not isinstance(event, JournalEvent):
                 raise InvalidArgument("event", f"must be a JournalEvent, got {event!r:.80}")
-            items.append((journal_key(self.prefix, task_id), event))
+            waiters = key_waiters_key(self.prefix, event.key) if event.key else None
+            items.append((task_id, journal_key(self.prefix, task_id), waiters, event))
         if not items:
             return
         with translate_errors():
             pipe = self.client.pipeline(transaction=False)
-            for key, event in items:
+            for task_id, key, waiters, event in items:
                 pipe.lpush(key, json.dumps(event.as_dict(), separators=(",", ":")))
                 pipe.ltrim(key, 0, self.max_events - 1)
                 pipe.pexpire(key, self.ttl_ms)
+                if waiters is None:
+                    continue
+                if event.event == "held":
+                    pipe.zadd(waiters, {task_id: event.at_ms})
+                    pipe.zremrangebyrank(waiters, 0, -MAX_KEY_WAITERS - 1)
+                    pipe.pexpire(waiters, self.ttl_ms)
+                else:
+                    # the last waiter out removes the index: an idle key has none
+                    pipe.zrem(waiters, task_id)
             pipe.execute()
+
+    def waiters(self, key: str) -> list[str]:
+        """The task ids indexed as waiting on the key field ``key``, oldest hold first (each
+        one's own journal tells whether it still waits: see
+        :func:`~celery_claims.observe.views.find_key_waiters`).
+
+        Raises:
+            InvalidArgument: a bad key.
+            BackendUnavailable: Redis cannot be reached.
+        """
+        index = key_waiters_key(self.prefix, key)
+        with translate_errors():
+            return [_text(member) for member in self.client.zrange(index, 0, -1)]
 
     def read(self, task_id: str) -> list[JournalEvent]:
         """The journal of ``task_id``, oldest first (entries this version cannot read are

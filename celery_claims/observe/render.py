@@ -13,7 +13,7 @@ from typing import Any
 
 from celery_claims.model import ClaimStats
 from celery_claims.observe.journal import JournalEvent
-from celery_claims.observe.views import ClaimView, LaneOccupancy
+from celery_claims.observe.views import ClaimView, KeyWaiter, LaneOccupancy
 
 __all__ = [
     "STAT_FIELDS",
@@ -22,6 +22,8 @@ __all__ = [
     "event_text",
     "inspect_json",
     "inspect_text",
+    "key_json",
+    "key_text",
     "lanes_text",
     "list_json",
     "list_text",
@@ -30,6 +32,7 @@ __all__ = [
     "stats_text",
     "table",
     "utc",
+    "waiter_line",
 ]
 
 #: The per-queue counters ``celery claims stats`` shows, in order.
@@ -296,13 +299,53 @@ def inspect_text(
     return "\n".join(lines)
 
 
-def key_json(key: str, now_ms: int, views: Sequence[ClaimView]) -> dict[str, Any]:
-    """``claims key --json``."""
-    return {"key": key, "now_ms": now_ms, "claims": [v.as_dict() for v in views]}
+def key_json(
+    key: str,
+    now_ms: int,
+    views: Sequence[ClaimView],
+    lanes: Sequence[tuple[str, int]] = (),
+    waiters: Sequence[KeyWaiter] = (),
+) -> dict[str, Any]:
+    """``claims key --json``: the key's claims, its running count in each keyed lane, and
+    the copies waiting on it."""
+    return {
+        "key": key,
+        "now_ms": now_ms,
+        "claims": [v.as_dict() for v in views],
+        "lanes": [{"lane": lane, "running": running} for lane, running in lanes],
+        "waiting": [w.as_dict() for w in waiters],
+    }
 
 
-def key_text(key: str, now_ms: int, views: Sequence[ClaimView]) -> str:
-    """``claims key``: who holds a key of keyed tasks, or keeps it done (``views`` not empty)."""
+def waiter_line(waiter: KeyWaiter) -> str:
+    """The ``claims key`` line of one copy waiting on the key."""
+    if waiter.waits_for == "lane":
+        return (
+            f"  task {waiter.task_id}: WAITING for its key's slot of the lane, claimed "
+            f"({waiter.claim_id}, instance {waiter.instance}) by {waiter.worker} since "
+            f"{utc(waiter.since_ms)}"
+        )
+    holder = f" (then held by {waiter.holder})" if waiter.holder else ""
+    return (
+        f"  task {waiter.task_id}: WAITING for the key, held unacked on {waiter.worker} "
+        f"since {utc(waiter.since_ms)}{holder}"
+    )
+
+
+def key_text(
+    key: str,
+    now_ms: int,
+    views: Sequence[ClaimView],
+    lanes: Sequence[tuple[str, int]] = (),
+    waiters: Sequence[KeyWaiter] = (),
+) -> str:
+    """``claims key``: who holds a key or keeps it done, how many of a keyed lane's slots it
+    holds, and what waits on it (not all empty)."""
     lines = [f"key {key}"]
     lines += [f"{claim_line(view, now_ms)} (task {view.task_id})" for view in views]
+    lines += [f"  lane {lane}: {running} running with this key" for lane, running in lanes]
+    if not views and not lanes:
+        lines.append("  nothing holds it now")
+    lines.append(f"waiting on it: {len(waiters)}")
+    lines += [waiter_line(waiter) for waiter in waiters]
     return "\n".join(lines)

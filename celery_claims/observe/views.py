@@ -3,7 +3,8 @@
 A claim or completion record of a Celery task becomes a :class:`ClaimView`; the lane store's
 ``processing`` and ``due`` sets become :class:`LaneOccupancy`. A copy waiting for a slot of its
 full lane holds a live claim like a running one: :func:`mark_waiting` tells them apart with
-the event journal (:mod:`celery_claims.observe.journal`). Nothing here writes to the store.
+the event journal (:mod:`celery_claims.observe.journal`); :func:`find_key_waiters` finds the
+copies waiting on one key, of a keyed task or a keyed lane. Nothing here writes to the store.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from celery_claims.claims.redis import (
     translate_errors,
 )
 from celery_claims.model import GivenUp
-from celery_claims.observe.journal import JournalEvent
+from celery_claims.observe.journal import Journal, JournalEvent
 from celery_claims.validation import require_id
 
 __all__ = [
@@ -29,9 +30,12 @@ __all__ = [
     "MAX_PROBED_NESTING",
     "MAX_PROBED_RETRIES",
     "ClaimView",
+    "KeyWaiter",
     "LaneOccupancy",
     "find_claims",
     "find_key",
+    "find_key_waiters",
+    "lane_key_running",
     "lane_occupancy",
     "list_views",
     "mark_waiting",
@@ -224,6 +228,15 @@ def list_views(manager: RedisClaimManager, queue: str, now_ms: int) -> list[Clai
     return sorted(views, key=lambda v: (v.until_ms, v.task_id))
 
 
+def _attempt_names(task_id: str) -> list[str]:
+    """The claim names ``find_claims`` probes for the attempts of ``task_id``."""
+    return [
+        f"{task_id}:{retries}:{nesting}"
+        for retries in range(MAX_PROBED_RETRIES + 1)
+        for nesting in range(MAX_PROBED_NESTING + 1)
+    ]
+
+
 def find_claims(
     manager: RedisClaimManager,
     task_id: str,
@@ -251,11 +264,7 @@ def find_claims(
         BackendUnavailable: Redis cannot be reached.
     """
     require_id("task_id", task_id)
-    names = [
-        f"{task_id}:{retries}:{nesting}"
-        for retries in range(MAX_PROBED_RETRIES + 1)
-        for nesting in range(MAX_PROBED_NESTING + 1)
-    ]
+    names = _attempt_names(task_id)
     queue_ids = list(manager.known_queues() if queues is None else queues)
     now = server_now_ms(manager.client) if now_ms is None else now_ms
     found = manager.execute_many([manager.read_call(queue, names) for queue in queue_ids])
@@ -333,6 +342,105 @@ def mark_waiting(
                 view = replace(view, state="waiting", lane=lane)
         marked.append(view)
     return marked
+
+
+# --- what waits on a key ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KeyWaiter:
+    """A copy waiting on a key: of a keyed task, or for its key's slot of a keyed lane.
+
+    Attributes:
+        task_id: the waiting task.
+        waits_for: ``"key"`` (a keyed task's copy held unacked while another task holds its
+            key: the ``wait`` policy) or ``"lane"`` (claimed, waiting for a slot of its
+            key in a keyed lane).
+        claim_id: its claim: the key's (``queue/<task or namespace>[<key>]``) for ``key``,
+            its own for ``lane``.
+        worker: where it waits: the worker node (``key``) or its claim's owner (``lane``).
+        since_ms: epoch ms it was held (``key``, the worker's clock) or claimed (``lane``).
+        holder: for ``key``, the owner holding the key when it was held; else empty.
+        instance: for ``lane``, its claim's fencing number; else 0.
+    """
+
+    task_id: str
+    waits_for: str
+    claim_id: str
+    worker: str
+    since_ms: int
+    holder: str = ""
+    instance: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return asdict(self)
+
+
+def _last_hold(events: Sequence[JournalEvent], key: str) -> JournalEvent | None:
+    """The event that holds a copy on ``key`` if it still waits: its last hold for the key
+    not followed by another event of that claim (it got the key, was skipped or released;
+    a hold while the store was away leaves it waiting)."""
+    hold = None
+    for event in events:
+        if event.event == "held" and event.key == key:
+            hold = event
+        elif hold is not None and event.claim_id == hold.claim_id and event.event != "held":
+            hold = None
+    return hold
+
+
+def find_key_waiters(
+    manager: RedisClaimManager,
+    key: str,
+    *,
+    holders: Sequence[ClaimView] = (),
+    queues: Sequence[str] | None = None,
+    now_ms: int | None = None,
+) -> list[KeyWaiter]:
+    """The copies waiting on ``key``, oldest first: what the fleet's journals say.
+
+    - A keyed task's copy held because another task holds ``key`` (the field
+      ``<task or namespace>[<key>]``): the journal indexes it under the key when it is held
+      (:func:`~celery_claims.observe.journal.key_waiters_key`); it waits while its own
+      journal's last event of that claim is the hold, and it is not the holder itself.
+    - A message waiting for a slot of its key in a keyed lane (``key`` is then
+      ``<lane>[<key>]``, as ``claims list`` shows the lane it waits for): claimed already, so
+      found among the live claims of every known queue (:func:`mark_waiting`).
+
+    Args:
+        manager: the claim store.
+        key: a keyed task's key field, or a keyed lane's ``<lane>[<key>]``.
+        holders: the key's claims (:func:`find_key`): a holder never waits on its own key.
+        queues: where to look (default: every known queue; a namespace is a queue of its own).
+        now_ms: the time to judge leases by (default: the Redis server's clock).
+
+    Raises:
+        InvalidArgument: ``key`` is not a non-empty str.
+        BackendUnavailable: Redis cannot be reached.
+    """
+    require_id("key", key)
+    journal = Journal(manager.client, manager.prefix)
+    held = [v.task_id for v in holders if v.state in ("running", "expired", "waiting")]
+    candidates = [task_id for task_id in journal.waiters(key) if task_id not in held]
+    queue_ids = list(manager.known_queues() if queues is None else queues)
+    claim_ids = {f"{queue}/{key}" for queue in queue_ids}
+    found: list[KeyWaiter] = []
+    for task_id, events in journal.read_many(candidates).items():
+        hold = _last_hold(events, key)
+        if hold is not None and hold.claim_id in claim_ids:
+            found.append(
+                KeyWaiter(task_id, "key", hold.claim_id, hold.worker, hold.at_ms, hold.other)
+            )
+    now = server_now_ms(manager.client) if now_ms is None else now_ms
+    live = [view for queue in queue_ids for view in list_views(manager, queue, now)]
+    live = mark_waiting(live, journal.read_many(v.task_id for v in live))
+    found += [
+        KeyWaiter(v.task_id, "lane", v.claim_id, v.owner, v.since_ms, instance=v.instance)
+        for v in live
+        if v.state == "waiting" and v.lane == key
+    ]
+    return sorted(found, key=lambda w: (w.since_ms, w.task_id))
 
 
 # --- lanes --------------------------------------------------------------------------------
@@ -450,3 +558,23 @@ def _top_keys(records: Sequence[Any], top: int) -> tuple[tuple[str, int], ...]:
         if isinstance(key, str):
             held[key] = held.get(key, 0) + 1
     return tuple(sorted(held.items(), key=lambda item: (-item[1], item[0]))[:top])
+
+
+def lane_key_running(
+    client: RedisClient, prefix: str, key: str, *, now_ms: int | None = None
+) -> list[tuple[str, int]]:
+    """The keyed lanes in which ``key`` (``<lane>[<key>]``) holds slots: ``(lane, live
+    leases of the key)``; empty when no lane has it running.
+
+    Raises:
+        InvalidArgument: a bad prefix.
+        BackendUnavailable: Redis cannot be reached.
+    """
+    # a lane holds at most `limit` live leases: asking for every key's count reads no more
+    lanes = lane_occupancy(client, prefix, now_ms=now_ms, top_keys=2**31)
+    return [
+        (lane.lane, count)
+        for lane in lanes
+        for held, count in lane.keys
+        if f"{lane.lane}[{held}]" == key
+    ]

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 
 from celery_claims.errors import InvalidArgument
-from celery_claims.observe.journal import Journal, JournalEvent, journal_key
+from celery_claims.observe.journal import Journal, JournalEvent, journal_key, key_waiters_key
 
 __all__ = [
     "DEFAULT_BACKOFF_MAX_S",
@@ -161,6 +161,9 @@ class JournalWriter:
             journal_key(self.journal.prefix, task_id)
             if not isinstance(event, JournalEvent):
                 raise InvalidArgument("event", f"must be a JournalEvent, got {event!r:.80}")
+            if event.key:
+                # checked here: a bad one in a batch would fail every write of the batch
+                key_waiters_key(self.journal.prefix, event.key)
             with self._cond:
                 dropped = 0
                 if len(self._queue) >= self.max_queued:

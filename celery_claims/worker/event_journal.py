@@ -117,6 +117,7 @@ def _on_held(
     lane: str = "",
     lane_key: str = "",
     instance: int = 0,
+    key: str = "",
     **_: Any,
 ) -> None:
     if reason == "lane":
@@ -125,7 +126,17 @@ def _on_held(
             _now_ms(), "waiting", lane, _hostname(request), claim_id, lane_key, instance
         )
     else:
-        event = JournalEvent(_now_ms(), "held", reason, _hostname(request), claim_id, holder or "")
+        # a keyed copy held by another task's claim on its key waits on that key (indexed
+        # under it for `claims key`); held while the store is away it waits on nothing yet
+        event = JournalEvent(
+            _now_ms(),
+            "held",
+            reason,
+            _hostname(request),
+            claim_id,
+            holder or "",
+            key=key if reason == "held" else "",
+        )
     _post(request, event)
 
 
@@ -137,9 +148,12 @@ def _on_acquired(
     previous_owner: str | None = None,
     **_: Any,
 ) -> None:
-    if not took_over and not _options.record_acquired:
-        return
     claim = getattr(request, "claim", None)
+    # a keyed copy that was held gets its key: it waits on it no more (`claims key`)
+    keyed = getattr(claim, "key", None)
+    waited = keyed is not None and bool(getattr(claim, "hold_reason", ""))
+    if not took_over and not waited and not _options.record_acquired:
+        return
     _post(
         request,
         JournalEvent(
@@ -150,6 +164,7 @@ def _on_acquired(
             str(getattr(claim, "claim_id", "") or ""),
             previous_owner or "",
             int(getattr(token, "instance", 0) or 0),
+            key=str(getattr(keyed, "field", "")) if waited else "",
         ),
     )
 

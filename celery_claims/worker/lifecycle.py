@@ -691,6 +691,7 @@ class Lifecycle:
                 claim_id=copy.claim_id,
                 holder=holder,
                 recheck_s=recheck_s,
+                key=copy.key.field if copy.key is not None else "",
             )
         else:
             self.counters.incr("rechecks")

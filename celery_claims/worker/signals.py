@@ -34,7 +34,8 @@ task_skipped = Signal(name="celery_claims.task_skipped")
 #: ``"lane"`` while its lane is full: claimed, waiting for a slot), ``claim_id``, ``holder``
 #: (the other owner, or ``None``), ``recheck_s`` (next check); for ``"lane"`` also ``lane``
 #: (the lane's name), ``lane_key`` (its key in a keyed lane, else ``""``) and ``instance``
-#: (the fencing number of its claim).
+#: (the fencing number of its claim); ``key``: a keyed task's key field (``claims_key``:
+#: ``<task or namespace>[<key>]``, the claim it waits for), else ``""``.
 task_held = Signal(name="celery_claims.task_held")
 
 #: A copy that waited for its full lane got a slot and goes to the pool. Arguments:

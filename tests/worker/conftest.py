@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from collections.abc import Iterator
 
 import pytest
+from kombu import Connection
 
 from celery_claims import RedisClaimManager
-from tests.servers import RedisServer, redis_server
-from tests.worker.helpers import unique
+from tests.servers import RedisServer, missing_service, redis_server
+from tests.worker.helpers import RABBITMQ_URL, unique
 from tests.worker.processes import Fleet
 
 
@@ -43,3 +46,24 @@ def private_redis() -> Iterator[RedisServer]:
     """A Redis of this test alone (broker, result backend and claim store of its fleet)."""
     with redis_server() as server:
         yield server
+
+
+@pytest.fixture(params=["redis", pytest.param("rabbitmq", marks=pytest.mark.rabbitmq)])
+def broker(request: pytest.FixtureRequest, private_redis: RedisServer) -> Iterator[str]:
+    """The broker URL: the test's private Redis, or the machine's RabbitMQ (a test that uses
+    RabbitMQ adds its queue names to ``request.node.rabbitmq_queues``: they are deleted after
+    it)."""
+    if request.param == "redis":
+        yield private_redis.url
+        return
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=2).close()
+    except OSError:
+        missing_service("RabbitMQ at 127.0.0.1:5672")
+    queues: list[str] = []
+    request.node.rabbitmq_queues = queues
+    yield RABBITMQ_URL
+    with Connection(RABBITMQ_URL) as conn:
+        for name in queues:
+            with contextlib.suppress(Exception):
+                conn.default_channel.queue_delete(name)

@@ -26,6 +26,9 @@ FAST_REDELIVERY = {
     "unacked_restore_throttle": 1,
 }
 
+#: The machine's RabbitMQ.
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
 #: Short leases so takeovers happen within seconds.
 LEASE_MS = 3000
 RENEW_INTERVAL_MS = 500

@@ -2,48 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.servers import RedisServer, missing_service
+from tests.servers import RedisServer
 from tests.worker.helpers import unique, wait_for
 from tests.worker.lanefleet import counters, events, lanes_worker, max_overlap
 from tests.worker.processes import Fleet
 
 pytestmark = pytest.mark.slow
 
-RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
-
 #: The scenario of the issue: limit 2 across 2 workers x prefork -c 2, 20 tasks of 1 s.
 LIMIT, TASKS, TASK_S = 2, 20, 1.0
 #: Re-check period of a full lane in these tests.
 RECHECK_MS = 500
-
-
-@pytest.fixture(params=["redis", pytest.param("rabbitmq", marks=pytest.mark.rabbitmq)])
-def broker(request: pytest.FixtureRequest, private_redis: RedisServer) -> Iterator[str]:
-    """The broker URL: the test's private Redis, or the machine's RabbitMQ."""
-    if request.param == "redis":
-        yield private_redis.url
-        return
-    try:
-        socket.create_connection(("127.0.0.1", 5672), timeout=2).close()
-    except OSError:
-        missing_service("RabbitMQ at 127.0.0.1:5672")
-    queues: list[str] = []
-    request.node.rabbitmq_queues = queues
-    yield RABBITMQ_URL
-    from kombu import Connection
-
-    with Connection(RABBITMQ_URL) as conn:
-        for name in queues:
-            with contextlib.suppress(Exception):
-                conn.default_channel.queue_delete(name)
 
 
 def _runs(log: list[dict[str, Any]], killed: dict[str, float]) -> list[tuple[float, float]]:
