@@ -84,12 +84,16 @@ class RedisJournal:
         self.prefix = require_prefix(prefix)
         self._put: Script = client.register_script(_source("journal_put"))
         self._take: Script = client.register_script(_source("journal_take"))
+        self._forget: Script = client.register_script(_source("journal_forget"))
         self._keys: dict[str, QueueKeys] = {}
 
     @property
     def scripts(self) -> Mapping[str, Script]:
-        """The registered scripts by operation name (``journal_put``, ``journal_take``)."""
-        return MappingProxyType({"journal_put": self._put, "journal_take": self._take})
+        """The registered scripts by operation name (``journal_put``, ``journal_take``,
+        ``journal_forget``)."""
+        return MappingProxyType(
+            {"journal_put": self._put, "journal_take": self._take, "journal_forget": self._forget}
+        )
 
     def keys(self, queue_id: str) -> QueueKeys:
         """The key names of ``queue_id``."""
@@ -196,6 +200,19 @@ class RedisJournal:
             pipe.zrem(keys.journal_due, *ids)
             pipe.hdel(keys.journal_republished, *ids)
             pipe.execute()
+
+    def forget_call(self, queue_id: str, task_ids: Iterable[str]) -> ScriptCall[int]:
+        """The checked, unsent removal of the entries of ``task_ids`` (one script; absent
+        ones are fine); its result is how many there were.
+
+        Raises:
+            InvalidArgument: a bad id, or no id at all.
+        """
+        keys = self.keys(queue_id)
+        ids = sorted({require_id("task_id", task_id) for task_id in task_ids})
+        if not ids:
+            raise InvalidArgument("task_ids", "must name at least one task")
+        return ScriptCall(self._forget, keys.journal_keys, ids, int)
 
     def count_republished(self, queue_id: str, task_id: str) -> int:
         """Count one more re-publish of ``task_id``'s message; returns the new count.

@@ -44,6 +44,7 @@ __all__ = [
     "republish",
     "revoke_unrun",
     "restore_sweep",
+    "message_state",
     "requeued",
     "result_ready",
     "shares_delivery_tags",
@@ -494,13 +495,19 @@ def unwrap_exception(exc: BaseException | None) -> BaseException | None:
     return exc
 
 
+def message_state(request: Any) -> str | None:
+    """kombu's state of the request's message once it was acked or rejected (``ACK``,
+    ``REJECTED``, ``REQUEUED``); None before (still ``RECEIVED``), or unknown."""
+    state = getattr(getattr(request, "message", None), "_state", None)
+    return state if state in ("ACK", "REJECTED", "REQUEUED") else None
+
+
 def requeued(request: Any) -> bool:
     """True if Celery's handler handed the request's message back to the broker
     (``reject(requeue=True)``): kombu's ``Message._state`` is ``REQUEUED`` then (``ACK`` or
     ``REJECTED`` when the message is gone for good). Unknown means requeued: the journal entry
     is then kept, which costs only its memory."""
-    state = getattr(getattr(request, "message", None), "_state", None)
-    return state not in ("ACK", "REJECTED")
+    return message_state(request) not in ("ACK", "REJECTED")
 
 
 def wrap_send_task(app: Any, around: Callable[..., Any]) -> None:

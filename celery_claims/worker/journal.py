@@ -34,6 +34,7 @@ import base64
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -664,16 +665,44 @@ class WorkerJournal:
         self._pending: dict[str, set[str]] = {}
         self._next_scan = 0.0
         self._scanner: threading.Thread | None = None
+        self._sender = ScriptSender()
         # weak: the receiver goes with this object (in-process test workers come and go)
         task_revoked.connect(self._on_revoked)
 
     # --- clearing --------------------------------------------------------------------------
 
-    def settled(self, queue_id: str, task_key: str) -> None:
-        """The message of this attempt was acked: clear its entry on the next beat."""
+    def settled(self, queue_id: str, task_key: str, done: bool = True) -> None:
+        """The message of this attempt was acked for good: clear its entry.
+
+        ``done``: the attempt is recorded done (or given up), so recovery would find its
+        record and drop the entry anyway: cleared on the next beat, batched. Otherwise (it
+        failed, was rejected or revoked, or skipped under a key's ``skip`` policy) nothing
+        but the entry tells recovery the message is over, and a worker that died before its
+        next beat would leave it to be published again: it is cleared now, one write sent
+        without waiting for the reply (batched where the store takes no such write).
+        """
+        if not done and ScriptSender.usable(self.store.client):
+            try:
+                call = self.store.forget_call(queue_id, [task_key])
+                again = functools.partial(self._cleared, queue_id, task_key)
+                self._sender.send(self.store.client, call, again)
+                return
+            except ClaimError as exc:
+                logger.debug("Journal: clear of %s/%s kept for later: %s", queue_id, task_key, exc)
+        self._note(queue_id, task_key)
+
+    def _note(self, queue_id: str, task_key: str) -> None:
         with self._lock:
             if sum(len(keys) for keys in self._pending.values()) < MAX_PENDING_CLEARS:
                 self._pending.setdefault(queue_id, set()).add(task_key)
+
+    def _cleared(
+        self, queue_id: str, task_key: str, reply: Any, error: BaseException | None
+    ) -> None:
+        """The reply to a clear sent without waiting: one that failed goes to the next beat."""
+        if error is not None:
+            logger.debug("Journal: clear of %s/%s kept for later: %s", queue_id, task_key, error)
+            self._note(queue_id, task_key)
 
     def _on_revoked(self, sender: Any = None, request: Any = None, **_: Any) -> None:
         """``task_revoked`` (revoked or expired, acked by Celery before any gate saw it)."""
@@ -690,7 +719,7 @@ class WorkerJournal:
                 }
             )
             queue_id = self._queues.queue_of(getattr(request, "delivery_info", None))
-            self.settled(queue_id, claim_task_id(str(request.id), attempt))
+            self.settled(queue_id, claim_task_id(str(request.id), attempt), done=False)
         except Exception as exc:
             logger.debug("Journal: could not note a revoked task: %r", exc)
 
@@ -705,7 +734,7 @@ class WorkerJournal:
             except ClaimError as exc:
                 logger.debug("Journal: clears of %s kept for later: %s", queue_id, exc)
                 for key in keys:
-                    self.settled(queue_id, key)
+                    self._note(queue_id, key)
 
     # --- the keeper's hook -----------------------------------------------------------------
 
@@ -742,6 +771,8 @@ class WorkerJournal:
 
     def close(self) -> None:
         """Flush the clears and stop listening for revoked tasks (reentrant)."""
+        self._sender.drain(PRODUCER_TIMEOUT_MS / 1000)
+        self._sender.close()
         with contextlib.suppress(Exception):
             self.flush()
         task_revoked.disconnect(self._on_revoked)

@@ -52,6 +52,7 @@ from celery_claims.worker.compat import (
     LoopWaker,
     fail_unrun,
     forget_delivery,
+    message_state,
     republish,
     requeued,
     result_ready,
@@ -324,9 +325,10 @@ class Lifecycle:
         )
         #: wakes the lease keeper (set by it): a claim's lease is too short for its period
         self.wake_keeper: Callable[[], object] = lambda: None
-        #: told ``(queue_id, task_key)`` when a copy's message is acked for good (its publish
-        #: journal entry can go; set by the runtime)
-        self.on_settled: Callable[[str, str], object] = lambda queue_id, task_key: None
+        #: told ``(queue_id, task_key, done)`` when a copy's message is acked for good (its
+        #: publish journal entry can go; ``done``: the attempt is recorded done or given up;
+        #: set by the runtime)
+        self.on_settled: Callable[[str, str, bool], object] = lambda queue_id, key, done: None
         self._riding: dict[Any, tuple[Copy, BrokerRide]] = {}
         #: completions recorded lately, written again after a Sentinel failover (failover.py)
         self.recent = RecentCompletions()
@@ -537,7 +539,7 @@ class Lifecycle:
         )
         # only the message goes: the result the first run stored stays as it is
         request.acknowledge()
-        self.on_settled(copy.queue_id, copy.task_key)
+        self.on_settled(copy.queue_id, copy.task_key, reason in ("done", "given_up"))
         task_ready(request)
         signals.task_skipped.send(
             sender=request.task,
@@ -739,7 +741,7 @@ class Lifecycle:
             self.recent.add(copy.token)
             self.counters.incr("completed")
             celery_handler()
-            self.on_settled(copy.queue_id, copy.task_key)
+            self.on_settled(copy.queue_id, copy.task_key, True)
             return
         # an unguarded task, or one whose pool process left the record to this process
         self._record(copy, "succeeded", celery_handler, on_pipe=True)
@@ -846,9 +848,19 @@ class Lifecycle:
 
     def _settled_unless_requeued(self, copy: Copy) -> None:
         """An ended attempt's message is gone unless Celery's handler requeued it
-        (``Reject(requeue=True)``, ``task_reject_on_worker_lost``)."""
+        (``Reject(requeue=True)``, ``task_reject_on_worker_lost``).
+
+        Celery's handler may only have scheduled its ack or reject (``call_soon_ack`` puts
+        it on the event loop): then the message's fate is read on the loop after it.
+        """
+        if message_state(copy.request) is None and self._consumer is not None:
+            self.waker.call_soon(self._consumer, self._settled_if_gone, copy)
+        else:
+            self._settled_if_gone(copy)
+
+    def _settled_if_gone(self, copy: Copy) -> None:
         if not requeued(copy.request):
-            self.on_settled(copy.queue_id, copy.task_key)
+            self.on_settled(copy.queue_id, copy.task_key, False)
 
     @staticmethod
     def _repeat(copy: Copy, celery_handler: Callable[[], object]) -> None:
@@ -1132,7 +1144,7 @@ class Lifecycle:
             copy.ride_tag = None
         self.recent.add(copy.token)
         self.counters.incr("completed")
-        self.on_settled(copy.queue_id, copy.task_key)
+        self.on_settled(copy.queue_id, copy.task_key, True)
         logger.debug("Claim %s: %s, recorded done", copy.claim_id, why)
         ack, copy.deferred_ack = copy.deferred_ack, None
         if ack is not None:

@@ -78,8 +78,8 @@ class ScriptSender:
         self._conn: Any = None
         self._pool: Any = None  # the pool self._conn was made from
         self._pid = os.getpid()
-        # what each reply still to come answers: True a call, False a SCRIPT LOAD
-        self._waiting: deque[bool] = deque()
+        # what each reply still to come answers: a call's on_reply, or None for a SCRIPT LOAD
+        self._waiting: deque[OnReply | None] = deque()
         # scripts loaded on this connection: a fresh or restarted store knows none, and a
         # NOSCRIPT reply would only come after the write was needed
         self._loaded: set[str] = set()
@@ -98,8 +98,9 @@ class ScriptSender:
         """True if ``client``'s server can be written this way (a standalone client)."""
         return type(getattr(client, "connection_pool", None)) is redis.ConnectionPool
 
-    def send(self, client: Any, call: ScriptCall[Any]) -> None:
-        """Write ``call`` on the connection (made from ``client``'s pool on first use).
+    def send(self, client: Any, call: ScriptCall[Any], on_reply: OnReply | None = None) -> None:
+        """Write ``call`` on the connection (made from ``client``'s pool on first use); its
+        reply goes to ``on_reply``, or to the sender's.
 
         Raises:
             BackendUnavailable: the call could not be written (nothing is retried).
@@ -119,7 +120,7 @@ class ScriptSender:
                     self._loaded.add(sha)
                 commands.append(("EVALSHA", sha, len(call.keys), *call.keys, *call.args))
                 conn.send_packed_command(conn.pack_commands(commands))
-                self._waiting.extend([False] * (len(commands) - 1) + [True])
+                self._waiting.extend([None] * (len(commands) - 1) + [on_reply or self.on_reply])
                 if len(self._waiting) > self.max_unread:
                     self._reset(BackendUnavailable("the claim store did not answer in time"))
             except (redis.RedisError, OSError) as exc:
@@ -161,26 +162,26 @@ class ScriptSender:
             self._read_one(conn)
 
     def _read_one(self, conn: Any) -> None:
-        is_call = self._waiting.popleft()
+        on_reply = self._waiting.popleft()
         try:
             reply = conn.read_response()
         except redis.ResponseError as exc:
             if isinstance(exc, redis.exceptions.NoScriptError):
                 # the store lost its scripts (SCRIPT FLUSH, a restart): load them again
                 self._loaded.clear()
-            if is_call:
-                self.on_reply(None, exc)
+            if on_reply is not None:
+                on_reply(None, exc)
         else:
-            if is_call:
-                self.on_reply(reply, None)
+            if on_reply is not None:
+                on_reply(reply, None)
 
     def _reset(self, why: BaseException) -> None:
         conn, self._conn = self._conn, None
-        calls = sum(self._waiting)
+        waiting = [on_reply for on_reply in self._waiting if on_reply is not None]
         self._waiting.clear()
         self._loaded.clear()
-        for _ in range(calls):
-            self.on_reply(None, why)
+        for on_reply in waiting:
+            on_reply(None, why)
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.disconnect()

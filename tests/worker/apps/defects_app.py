@@ -51,6 +51,13 @@ def sleep(self: Any, seconds: float) -> float:
     return seconds
 
 
+@app.task(bind=True, name="defects.fail")
+def fail(self: Any) -> None:
+    """Log the start, then fail (Celery acks a failed ``acks_late`` task: it is over)."""
+    record("start", self)
+    raise ValueError("this task always fails")
+
+
 @app.task(bind=True, name="defects.until")
 def until(self: Any, key: str, timeout_s: float = 60.0) -> str:
     """Run until the test sets ``key`` on ``LOG`` (a cross-process release), then return."""

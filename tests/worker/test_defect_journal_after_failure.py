@@ -1,0 +1,100 @@
+"""Defect: a failed task ran again when its worker died before its next keeper beat.
+
+A worker clears the publish journal entry of each message it acks for good, batched per
+keeper beat. A task that failed (Celery acks a failed ``acks_late`` task: it is over) leaves
+no completion record, so if its worker dies between the ack and the beat, the entry stays,
+and journal recovery later finds it neither done nor claimed and publishes it again: the
+failed task runs a second time. The same holds for a revoked task and for a copy skipped
+under a keyed claim's ``skip`` policy. An attempt that ends without a record now has its
+entry cleared when it is acked, not at the next beat.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from tests.servers import RedisServer
+from tests.worker.helpers import unique, wait_for
+from tests.worker.processes import Fleet, events_of, executions, unacked_task_ids
+
+pytestmark = pytest.mark.slow
+
+APP = "tests.worker.apps.defects_app"
+
+#: Recovery acts 5 s after the publish (above the fleet's 3 s lease and visibility timeout);
+#: workers look every half second.
+JOURNAL = {"claims_journal_recover_after_ms": 5000, "claims_journal_scan_interval_ms": 500}
+
+
+def test_a_failed_task_is_not_run_again_when_its_worker_dies_after_the_ack(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given a worker whose keeper beats every 20 s (no beat between a failure and a kill),
+    # and a claims-aware producer
+    broker, queue = private_redis.url, unique("q")
+    env = {"CLAIMS_TEST_CONF": json.dumps(JOURNAL)}
+    slow_beat = ("--claims-lease-ms", "60000", "--claims-renew-interval-ms", "20000")
+    first = fleet.worker(
+        "a", broker=broker, backend=broker, queue=queue, concurrency=1, app=APP, env=env,
+        extra=slow_beat,
+    ).wait_ready()  # fmt: skip
+    client = fleet.client(broker, broker, queue, plugin=True, conf=JOURNAL)
+    redis = fleet.redis(broker)
+
+    # When a task fails, is acked, and its worker dies before its next beat
+    client.send_task("defects.fail", task_id="failed-once")
+    wait_for(
+        lambda: (
+            events_of(executions(broker, queue), "start", "failed-once")
+            and not redis.llen(queue)
+            and "failed-once" not in unacked_task_ids(redis)
+        ),
+        timeout=20,
+        what="the failed task to be acked",
+    )
+    first.kill_group(signal.SIGKILL)
+    first.popen.wait(timeout=10)
+
+    # Then another worker, once journal recovery could have acted, has not run it again
+    second = fleet.worker(
+        "b", broker=broker, backend=broker, queue=queue, concurrency=1, app=APP, env=env
+    )
+    wait_for(
+        lambda: not redis.keys("claims:{*}:j"),
+        timeout=40,
+        what="no journal entry left for the failed task",
+    )
+    starts = events_of(executions(broker, queue), "start", "failed-once")
+    assert len(starts) == 1, f"the failed task ran {len(starts)} times" + second.output()[-6000:]
+
+
+def test_a_failed_tasks_journal_entry_is_cleared_by_its_prefork_worker(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given a prefork worker (Celery schedules its acks on the event loop) and a claims-aware
+    # producer
+    broker, queue = private_redis.url, unique("q")
+    env = {"CLAIMS_TEST_CONF": json.dumps(JOURNAL)}
+    fleet.worker(
+        "a", broker=broker, backend=broker, queue=queue, concurrency=1, app=APP, env=env
+    ).wait_ready()
+    client = fleet.client(broker, broker, queue, plugin=True, conf=JOURNAL)
+    redis = fleet.redis(broker)
+
+    # When a task fails and is acked
+    client.send_task("defects.fail", task_id="failed-live")
+
+    # Then its journal entry goes, and recovery never publishes it again (before the fix the
+    # entry stayed until recovery had re-published it claims_journal_max_republish times)
+    wait_for(
+        lambda: (
+            events_of(executions(broker, queue), "start", "failed-live")
+            and not redis.keys("claims:{*}:j")
+        ),
+        timeout=40,
+        what="the failed task's journal entry to go",
+    )
+    assert len(events_of(executions(broker, queue), "start", "failed-live")) == 1
