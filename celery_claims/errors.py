@@ -29,6 +29,7 @@ __all__ = [
     "NotClaimOwner",
     "StaleClaimToken",
     "TaskCoreError",
+    "TaskNotFound",
     "WorkerShutdownRequested",
 ]
 
@@ -149,6 +150,31 @@ class CodecError(TaskCoreError):
 
 class InvalidValueError(TaskCoreError, ValueError):
     """A value is outside what the lane algorithm or a store accepts."""
+
+
+class TaskNotFound(InvalidValueError):
+    """No task of the lane store has this id, or none of the lane a claim was for; nothing
+    was changed.
+
+    Attributes:
+        task_id: the id.
+        lane: the lane of the claim that named the task, or ``None`` outside a claim.
+    """
+
+    def __init__(self, task_id: int, lane: object = None) -> None:
+        self.message = (
+            f"unknown task id {task_id}"
+            if lane is None
+            else f"candidate task {task_id} is not a task of lane {lane!r}"
+        )
+        super().__init__(self.message)
+        self.task_id = task_id
+        self.lane = lane
+        # pickling rebuilds the error with ``cls(*args)``
+        self.args = (task_id, lane)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class IoError(TaskCoreError):

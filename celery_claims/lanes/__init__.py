@@ -14,6 +14,7 @@ from celery_claims.errors import (
     LeaseLost,
     LeaseRenewalTimedOut,
     TaskCoreError,
+    TaskNotFound,
     WorkerShutdownRequested,
 )
 from celery_claims.lanes.adapters import ThreadedAsyncStore
@@ -75,5 +76,6 @@ __all__ = [
     "LeaseLost",
     "LeaseRenewalTimedOut",
     "TaskCoreError",
+    "TaskNotFound",
     "WorkerShutdownRequested",
 ]

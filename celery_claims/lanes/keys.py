@@ -21,6 +21,7 @@ numeric order (the listing's tie-break).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from celery_claims.errors import InvalidValueError
@@ -79,3 +80,13 @@ class LaneKeys:
     def processing(self, kind: str) -> str:
         """The sorted set of ``kind``'s processing tasks, by ``lease_expires_at``."""
         return f"{self.base}:processing:{escape(kind)}"
+
+    def of_kinds(self, kinds: Iterable[str]) -> list[str]:
+        """The KEYS of a script over several kinds: the tasks hash, then each kind's due set,
+        then each kind's processing set, kinds in the given order."""
+        chosen = list(kinds)
+        return [
+            self.tasks,
+            *(self.due(kind) for kind in chosen),
+            *(self.processing(kind) for kind in chosen),
+        ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from celery_claims.errors import InvalidValueError, LeaseLost
+from celery_claims.errors import InvalidValueError, LeaseLost, TaskNotFound
 
 __all__ = [
     "MAX_PROCESSING_TOKEN",
@@ -295,7 +295,8 @@ def raise_for_status(
         ``True`` when the operation changed the task, ``False`` when it found nothing to do.
 
     Raises:
-        InvalidValueError: the task does not exist, or already exists, or the code is unknown.
+        TaskNotFound: the task does not exist (in the claim's lane).
+        InvalidValueError: the task already exists, or the code is unknown.
         LeaseLost: the caller's attempt no longer holds the task.
     """
     token = -1 if processing_token is None else processing_token
@@ -304,9 +305,7 @@ def raise_for_status(
     if status == StoreStatus.ALREADY_DONE:
         return False
     if status == StoreStatus.NOT_FOUND:
-        if lane is not None:
-            raise InvalidValueError(f"candidate task {task_id} is not a task of lane {lane!r}")
-        raise InvalidValueError(f"unknown task id {task_id}")
+        raise TaskNotFound(task_id, lane)
     if status == StoreStatus.EXISTS:
         raise InvalidValueError(f"task {task_id} already exists")
     if status == StoreStatus.TOKEN_MISMATCH:

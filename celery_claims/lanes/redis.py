@@ -32,6 +32,7 @@ from celery_claims.errors import (
     InvalidValueError,
     IoError,
     TaskCoreError,
+    TaskNotFound,
 )
 from celery_claims.lanes import _validate as check
 from celery_claims.lanes.dispatch import Clock, utc_now
@@ -54,6 +55,9 @@ DEFAULT_PREFIX = "claims"
 
 #: How many task ids a store remembers the lane and kind of (saving the id index lookup).
 LOCATION_CACHE_SIZE = 65_536
+
+#: The most records one ``lane_purge`` script reads and removes (``purge_stale`` loops).
+PURGE_BATCH = 100
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _MICROSECOND = timedelta(microseconds=1)
@@ -193,6 +197,7 @@ class RedisTaskClaimStore:
         self._complete = _load_script(client, "lane_complete")
         self._retry = _load_script(client, "lane_retry")
         self._heartbeat = _load_script(client, "lane_heartbeat")
+        self._purge = _load_script(client, "lane_purge")
 
     def close(self) -> None:
         """Close the client if the store created it from ``url=``."""
@@ -212,6 +217,11 @@ class RedisTaskClaimStore:
                 # Forget the oldest entry (dicts keep insertion order).
                 del self._locations[next(iter(self._locations))]
             self._locations[task_id] = (lane_key, kind)
+
+    def _forget(self, task_ids: Sequence[int]) -> None:
+        with self._locations_lock:
+            for task_id in task_ids:
+                self._locations.pop(task_id, None)
 
     def _locate(self, task_id: int) -> tuple[LaneKeys, str] | None:
         """The lane keys and kind of a task, from the id index; ``None`` for an unknown id."""
@@ -329,7 +339,7 @@ class RedisTaskClaimStore:
         """Renew many attempts' leases to ``lease_expires_at`` in one pipelined round trip.
 
         Each ``(task_id, processing_token)`` gets what :meth:`heartbeat` would do to it; a
-        refused one yields its error (``LeaseLost``, ``InvalidValueError`` for an unknown id)
+        refused one yields its error (``LeaseLost``, ``TaskNotFound`` for an unknown id)
         in the result instead of raising, so one lost lease does not hide the others.
         (redis-py checks the script is loaded with one ``SCRIPT EXISTS`` per pipeline.)
 
@@ -346,7 +356,7 @@ class RedisTaskClaimStore:
             pipe = self.client.pipeline(transaction=False)
             for i, ((task_id, token), where) in enumerate(zip(checked, located, strict=True)):
                 if where is None:
-                    results[i] = InvalidValueError(f"unknown task id {task_id}")
+                    results[i] = TaskNotFound(task_id)
                     continue
                 keys, kind = where
                 self._heartbeat(
@@ -375,6 +385,53 @@ class RedisTaskClaimStore:
                 pipe.zcard(keys.processing(kind))
             return sum(int(n) for n in pipe.execute())
 
+    def purge_stale(
+        self, lane_config: TaskLaneConfig[str, Any], *, stale_before: datetime, limit: int
+    ) -> list[int]:
+        """Delete the lane's records that nobody claimed, retried or renewed since
+        ``stale_before``: pending and retry ones due before it, processing ones whose lease
+        expired before it. Done records are kept.
+
+        This drops tasks that are still claimable, so it is for records that only their
+        creator would ever claim again: the Celery worker's lane tickets
+        (:mod:`celery_claims.worker.lanes`), never a lane of real tasks. Each batch of at most
+        :data:`PURGE_BATCH` records is one script that re-reads every record it removes, so a
+        record claimed or renewed meanwhile is kept; the id index entries of the removed
+        records are deleted after each batch (another slot, another round trip).
+
+        Args:
+            lane_config: a lane of this store.
+            stale_before: the cutoff; at most the store clock's now (a live lease stays).
+            limit: the most records to remove in this call.
+
+        Returns:
+            The ids of the records removed.
+
+        Raises:
+            InvalidValueError: on a bad argument (nothing is removed).
+            IoError: Redis failed.
+        """
+        lane = self._lanes.registered(lane_config)
+        cutoff = check.utc("stale_before", stale_before)
+        most = check.non_negative_int("limit", limit)
+        if cutoff > self._clock():
+            raise InvalidValueError("stale_before must not be after now")
+        keys = self.lane_keys(lane.lane_key)
+        purged: list[int] = []
+        while len(purged) < most:
+            batch = min(PURGE_BATCH, most - len(purged))
+            with _driver_errors("purge_stale"):
+                reply = self._purge(keys=keys.of_kinds(lane.kinds), args=[to_us(cutoff), batch])
+                raise_for_status(_status(reply), task_id=-1, lane=lane.lane)
+                removed = [int(_text(item)) for item in reply[1:]]
+                if removed:
+                    self.client.hdel(self._index, *(str(task_id) for task_id in removed))
+            self._forget(removed)
+            purged.extend(removed)
+            if len(removed) < batch:
+                break
+        return purged
+
     # --- TaskClaimStore ---------------------------------------------------------------------
 
     def list_claimable_by_kinds(
@@ -396,14 +453,7 @@ class RedisTaskClaimStore:
         for lane_key, lane_kinds in by_lane.items():
             keys = self.lane_keys(lane_key)
             with _driver_errors("list_claimable_by_kinds"):
-                reply = self._list(
-                    keys=[
-                        keys.tasks,
-                        *(keys.due(kind) for kind in lane_kinds),
-                        *(keys.processing(kind) for kind in lane_kinds),
-                    ],
-                    args=[to_us(at), count],
-                )
+                reply = self._list(keys=keys.of_kinds(lane_kinds), args=[to_us(at), count])
             found.extend(decode_record(reply[i], reply[i + 1]) for i in range(0, len(reply), 2))
         found.sort(key=lambda task: (task.due_at(), task.id))
         return found[:count]
@@ -468,14 +518,7 @@ class RedisTaskClaimStore:
                 )
             )
         with _driver_errors("claim_candidates_for_lane"):
-            reply = self._claim(
-                keys=[
-                    lane_keys.tasks,
-                    *(lane_keys.due(kind) for kind in lane.kinds),
-                    *(lane_keys.processing(kind) for kind in lane.kinds),
-                ],
-                args=args,
-            )
+            reply = self._claim(keys=lane_keys.of_kinds(lane.kinds), args=args)
         status = _status(reply)
         # On NOT_FOUND the script names the position of the candidate it refused.
         failed = -1

@@ -20,6 +20,8 @@ exactly while a long task needs its lease renewed. Each beat it:
    holder stops refreshing, and its message is restored after ``visibility_timeout``);
 6. calls the publish journal's hook (:meth:`~celery_claims.worker.journal.WorkerJournal.beat`:
    clears the entries of acked messages, starts a recovery scan when one is due).
+7. once per lane lease, purges the lane tickets of workers that are gone
+   (:meth:`~celery_claims.worker.lanes.WorkerLanes.purge_due`).
 
 Between two beats the keeper also wakes for claims whose own lease (a per-task
 ``claims_lease_ms``) is too short for its period: such a claim is renewed every quarter of its
@@ -156,6 +158,8 @@ class Keeper:
             self.refresh_deliveries()
         if self.runtime.journal is not None:
             self.runtime.journal.beat()
+        if self.runtime.lanes is not None:
+            self.runtime.lanes.purge_due()
 
     def _renew(self, copies: list[Copy]) -> None:
         groups: dict[tuple[str, int], list[Copy]] = defaultdict(list)

@@ -32,6 +32,13 @@ How a Celery message maps onto that machinery:
   A slot freed by this worker wakes its lane at once.
 - The lease keeper renews the tickets of running tasks with the claims; a crashed worker's
   slots come free when their leases expire (``claims_lease_ms``).
+- Nobody else ever claims a worker's tickets, so those of a worker that is gone would stay in
+  the store for good (a keyed one with its key's name). The **purge** removes every ticket
+  nobody claimed, gave back or renewed for :data:`TICKET_GRACE_LEASES` lane leases: each
+  worker runs it from its lease keeper once per lane lease (the first right at start), and
+  the beat task ``celery_claims.cleanup_expired`` runs it too. A live worker whose ticket was
+  purged (it sat unused that long, or the worker was paused past it) finds it gone on its
+  next claim, renewal or release: it drops the ticket and takes a new one.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from typing import Any
 
 from celery.utils.log import get_logger
 
-from celery_claims.errors import InvalidValueError, LeaseLost, TaskCoreError
+from celery_claims.errors import InvalidValueError, LeaseLost, TaskCoreError, TaskNotFound
 from celery_claims.lanes.dispatch import claim_due_for_lane, utc_now
 from celery_claims.lanes.model import (
     MAX_TASK_ID,
@@ -72,6 +79,15 @@ logger = get_logger("celery_claims.worker")
 
 #: Attempts at a fresh random ticket id before giving up (a collision is ~2**-40 likely).
 _ID_ATTEMPTS = 5
+
+#: Lane leases a ticket may sit unclaimed, unreleased and unrenewed before the purge removes
+#: it. A live worker renews its running tickets several times per lease, so only a worker
+#: gone (or stalled for that long) loses one, and losing one costs it a new ticket, nothing
+#: more: the slot had been free to the fleet since its lease expired.
+TICKET_GRACE_LEASES = 5
+
+#: The most tickets of one lane one purge by a worker removes (the next one goes on).
+TICKET_PURGE_LIMIT = 1000
 
 
 @dataclass(eq=False)
@@ -216,6 +232,8 @@ class WorkerLanes:
                 self._by_queue.setdefault(queue, []).append(lane)
         # a lane lease of whole seconds (the algorithm's unit), at least the claim lease
         self.stale_secs = max(1, math.ceil(settings.lease_ms / 1000))
+        #: when the lease keeper's next purge is due (``time.monotonic()``; 0: at once)
+        self.purge_at = 0.0
         self._lock = threading.Lock()
         self._signatures: dict[str, inspect.Signature | None] = {}
         self.consumer: Any = None
@@ -229,6 +247,13 @@ class WorkerLanes:
     def store_lanes(settings: ClaimsSettings) -> list[TaskLaneConfig[str, str]]:
         """The lane configs a lane store must be built with for ``settings``."""
         return [Lane(spec).config for spec in settings.lanes]
+
+    @staticmethod
+    def new_store(settings: ClaimsSettings, client: Any) -> RedisTaskClaimStore:
+        """The lane store of ``settings`` on the claim store's ``client``."""
+        return RedisTaskClaimStore(
+            client=client, lanes=WorkerLanes.store_lanes(settings), prefix=settings.prefix
+        )
 
     def bind(self, consumer: Any, dispatch: Callable[[Any, LaneSlot], None]) -> None:
         """Attach the consumer (timer, hub) and the hand-off of a granted copy to the pool."""
@@ -312,22 +337,11 @@ class WorkerLanes:
                 WorkerLaneView(self, lane), lane.config, self.stale_secs, lambda _kind: lane.name
             )
         except TaskCoreError as exc:
-            self.counters.incr("lane_unavailable")
-            lane.delay_ms = (
-                self.settings.unavailable_retry_ms
-                if lane.delay_ms == 0
-                else min(lane.delay_ms * 2, self.settings.unavailable_retry_max_ms)
-            )
-            logger.warning(
-                "Lane %s: lane store unavailable (%s); %d message(s) wait, retrying in %.1f s",
-                lane.name,
-                exc,
-                len(lane.waiting),
-                lane.delay_ms / 1000,
-            )
-            self._hold_rest(lane)
-            self._cancel_timer(lane)
-            self._schedule(lane, lane.delay_ms)
+            if isinstance(exc, TaskNotFound) and self._drop_vanished(lane, exc.task_id):
+                # nothing was claimed; the next pass, at once, makes the waiter a new ticket
+                self._soon(lane, "vanished")
+            else:
+                self._unavailable(lane, exc)
             return
         lane.delay_ms = 0
         by_ticket = {w.ticket.id: w for w in lane.waiting if w.ticket is not None}
@@ -342,6 +356,40 @@ class WorkerLanes:
             self._cancel_timer(lane)
         elif lane.timer_entry is None:
             self._schedule(lane, self.settings.lane_recheck_ms)
+
+    def _drop_vanished(self, lane: Lane, ticket_id: int) -> bool:
+        """Forget a waiter's ticket the store no longer has (purged, or the store lost it);
+        False if no waiter of ``lane`` holds it (then the pass backs off as on any error)."""
+        for waiter in lane.waiting:
+            if waiter.ticket is not None and waiter.ticket.id == ticket_id:
+                waiter.ticket = None
+                self.counters.incr("lane_tickets_vanished")
+                logger.info(
+                    "Lane %s: ticket %d is gone from the store; taking a new one",
+                    lane.name,
+                    ticket_id,
+                )
+                return True
+        return False
+
+    def _unavailable(self, lane: Lane, exc: TaskCoreError) -> None:
+        """Hold the waiting messages and try the pass again later, backing off."""
+        self.counters.incr("lane_unavailable")
+        lane.delay_ms = (
+            self.settings.unavailable_retry_ms
+            if lane.delay_ms == 0
+            else min(lane.delay_ms * 2, self.settings.unavailable_retry_max_ms)
+        )
+        logger.warning(
+            "Lane %s: lane store unavailable (%s); %d message(s) wait, retrying in %.1f s",
+            lane.name,
+            exc,
+            len(lane.waiting),
+            lane.delay_ms / 1000,
+        )
+        self._hold_rest(lane)
+        self._cancel_timer(lane)
+        self._schedule(lane, lane.delay_ms)
 
     def _grant(self, lane: Lane, waiter: LaneWaiter) -> None:
         assert waiter.ticket is not None
@@ -491,6 +539,49 @@ class WorkerLanes:
         with self._lock:
             lane.free.append(ticket)
 
+    def purge(self, limit: int = TICKET_PURGE_LIMIT) -> int:
+        """Remove from the store the tickets of every lane that nobody claimed, gave back or
+        renewed for :data:`TICKET_GRACE_LEASES` lane leases (any thread).
+
+        Each is removed atomically, only if still idle (see
+        :meth:`~celery_claims.lanes.redis.RedisTaskClaimStore.purge_stale`); one of this
+        worker's own free tickets among them leaves its free list too.
+
+        Args:
+            limit: the most tickets removed per lane.
+
+        Returns:
+            How many were removed.
+
+        Raises:
+            TaskCoreError: the store failed (tickets of earlier lanes may be removed).
+        """
+        stale_before = utc_now() - timedelta(seconds=self.stale_secs * TICKET_GRACE_LEASES)
+        removed = 0
+        for lane in self.lanes.values():
+            gone = set(self.store.purge_stale(lane.config, stale_before=stale_before, limit=limit))
+            if not gone:
+                continue
+            removed += len(gone)
+            with self._lock:
+                lane.free = [ticket for ticket in lane.free if ticket.id not in gone]
+            logger.info("Lane %s: purged %d stale ticket(s)", lane.name, len(gone))
+        if removed:
+            self.counters.incr("lane_tickets_purged", removed)
+        return removed
+
+    def purge_due(self) -> None:
+        """Run :meth:`purge` if a lane lease has passed since the last one (the lease keeper
+        calls this every beat; the first call purges at once)."""
+        now = time.monotonic()
+        if now < self.purge_at:
+            return
+        self.purge_at = now + self.stale_secs
+        try:
+            self.purge()
+        except TaskCoreError as exc:
+            logger.warning("Lane keeper: could not purge stale tickets now: %s", exc)
+
     # --- running tasks (any thread) ---------------------------------------------------------
 
     def release(self, slot: LaneSlot) -> None:
@@ -502,9 +593,11 @@ class WorkerLanes:
         ticket = slot.ticket
         try:
             self.store.retry(ticket.id, ticket.token, next_run_at=utc_now() - timedelta(seconds=1))
-        except LeaseLost:
-            # the ticket was claimed by someone else (its store data was lost): forget it
+        except (LeaseLost, TaskNotFound):
+            # claimed by someone else (its store data was lost), or purged (this worker was
+            # stalled past the grace): forget it; its slot is free either way
             logger.warning("Lane %s: ticket %d was lost", slot.lane.name, ticket.id)
+            self.wake(slot.lane)
             return
         except TaskCoreError as exc:
             # its lease is no longer renewed and expires by itself; the ticket stays usable
@@ -530,7 +623,7 @@ class WorkerLanes:
         for slot, error in zip(live, results, strict=True):
             if error is None:
                 self.counters.incr("lane_renewals")
-            elif isinstance(error, LeaseLost):
+            elif isinstance(error, (LeaseLost, TaskNotFound)):
                 self.counters.incr("lane_lease_lost")
                 logger.warning("Lane %s: a running task's slot lease was lost", slot.lane.name)
 

@@ -7,7 +7,6 @@ from typing import Any
 
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import close as close_client
-from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.worker.journal import PUBLISH_COUNTERS, WorkerJournal
 from celery_claims.worker.lanes import WorkerLanes
 from celery_claims.worker.lifecycle import Copy, Lifecycle
@@ -46,11 +45,7 @@ class ClaimsRuntime:
         #: the worker's lanes, when ``claims_lanes`` is configured
         self.lanes: WorkerLanes | None = None
         if settings.lanes:
-            store = RedisTaskClaimStore(
-                client=self.manager.client,
-                lanes=WorkerLanes.store_lanes(settings),
-                prefix=settings.prefix,
-            )
+            store = WorkerLanes.new_store(settings, self.manager.client)
             self.lanes = WorkerLanes(settings, store, self.counters)
         #: every delivered copy and its state
         self.life = Lifecycle(settings, self.manager, self.counters, self.lanes, hostname)

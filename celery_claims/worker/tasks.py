@@ -2,6 +2,8 @@
 
 Idempotent (removing an expired claim twice removes nothing the second time) and bounded per
 run by ``claims_cleanup_limit``, so one run never holds the claim store for long. With
+``claims_lanes`` it also purges the lane tickets of workers that are gone
+(:meth:`~celery_claims.worker.lanes.WorkerLanes.purge`, at most that limit per lane). With
 ``claims_journal`` it also recovers the publish journal of every queue claims were ever taken
 in (:class:`~celery_claims.worker.journal.JournalRecovery`, under the same per-queue lock the
 workers take), so a queue whose workers are all gone still gets its lost messages back. Its schedule
@@ -17,6 +19,7 @@ from typing import Any
 
 from celery_claims.config import resolve
 from celery_claims.worker.journal import JournalRecovery
+from celery_claims.worker.lanes import WorkerLanes
 from celery_claims.worker.settings import load_settings
 from celery_claims.worker.signals import Counters
 from celery_claims.worker.store import new_manager
@@ -37,13 +40,17 @@ def register_cleanup_task(app: Any) -> Any:
 
     @app.task(name=CLEANUP_TASK_NAME, shared=False, lazy=False)  # type: ignore[untyped-decorator]
     def cleanup_expired(limit: int | None = None) -> int:
-        """Remove expired claims of every queue, at most ``limit`` (default: the setting)."""
+        """Remove expired claims of every queue, at most ``limit`` (default: the setting),
+        and as many stale lane tickets per lane; returns how many claims were removed."""
         settings = load_settings(app)
         manager = new_manager(settings)
         try:
-            removed = manager.cleanup_expired(
-                limit=settings.cleanup_limit if limit is None else limit
-            )
+            most = settings.cleanup_limit if limit is None else limit
+            removed = manager.cleanup_expired(limit=most)
+            if settings.lanes:
+                # the lane tickets of workers that are gone (the workers purge them too)
+                store = WorkerLanes.new_store(settings, manager.client)
+                WorkerLanes(settings, store, Counters()).purge(limit=most)
             if settings.journal:
                 recovery = JournalRecovery(app, settings, manager, Counters(), CLEANUP_TASK_NAME)
                 recovery.scan(manager.known_queues())
