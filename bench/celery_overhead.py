@@ -11,6 +11,11 @@ both empty (every task acked; ``task_acks_late`` for all variants), so the produ
 of celery-once and celery-singleton (their lock is taken when a task is sent) counts too.
 Each variant's time is reported as a ratio to plain Celery's time in the same round. Needs
 ``celery-once`` and ``celery-singleton`` (``pip install -e .[bench]``).
+
+``--baseline TREE`` adds the variant ``claims-base``: the ``claims`` worker run from another
+checkout of the project (``git worktree add TREE <commit>``), so an earlier commit and this one
+are measured in the same run, against the same plain Celery. Its producer is plain Celery's (a
+checkout from before the publish journal journals nothing when it publishes).
 """
 
 from __future__ import annotations
@@ -41,11 +46,19 @@ KINDS = (("noop", "bench.noop"), ("10ms", "bench.sleep10"))
 _producers: dict[tuple[str, str], object] = {}
 
 
+#: The checkout the ``claims-base`` variant's worker runs from (``--baseline``).
+BASELINE: Path | None = None
+
+
 def start_worker(
     url: str, variant: str, pool: str, queue: str, log: Path
 ) -> subprocess.Popen[bytes]:
+    tree = ROOT
+    if variant == "claims-base":
+        assert BASELINE is not None, "claims-base needs --baseline"
+        tree, variant = BASELINE, "claims"
     env = {**os.environ, "BENCH_VARIANT": variant, "BENCH_URL": url, "BENCH_QUEUE": queue}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     args = [
         sys.executable, "-m", "celery", "-A", "bench.overhead_app", "worker",
         "-P", pool, "-c", "2" if pool == "prefork" else "1", "-Q", queue, "-l", "WARNING",
@@ -53,7 +66,7 @@ def start_worker(
     ]  # fmt: skip
     with log.open("wb") as out:
         return subprocess.Popen(
-            args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            args, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
 
 
@@ -76,7 +89,8 @@ def run_batch(
     """Publish ``n`` tasks and return the seconds until all are acked."""
     app = _producers.get((variant, queue))
     if app is None:
-        app = _producers[(variant, queue)] = build(variant, url, queue)
+        producer = "plain" if variant == "claims-base" else variant
+        app = _producers[(variant, queue)] = build(producer, url, queue)
     sender = app.tasks[task]
     offset = int(time.time() * 1000) * 10_000  # unique args: celery-once/singleton key on them
     start = time.perf_counter()
@@ -115,7 +129,16 @@ def main() -> None:
         default=1,
         help="worker_prefetch_multiplier of every variant (1, the recommended setting)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a checkout of an earlier commit: adds the variant claims-base (its claims worker)",
+    )
     opts = parser.parse_args()
+    global BASELINE
+    BASELINE = opts.baseline
+    if BASELINE is not None and "claims-base" not in opts.variants.split(","):
+        opts.variants += ",claims-base"
     os.environ["BENCH_PREFETCH"] = str(opts.prefetch)  # read by every worker started below
     tasks, rounds, warmup = opts.tasks, opts.rounds, opts.warmup
     variants = tuple(opts.variants.split(","))
