@@ -12,9 +12,10 @@ of celery-once and celery-singleton (their lock is taken when a task is sent) co
 Each variant's time is reported as a ratio to plain Celery's time in the same round. Needs
 ``celery-once`` and ``celery-singleton`` (``pip install -e .[bench]``).
 
-``--baseline TREE`` adds the variant ``claims-base``: the ``claims`` worker run from another
-checkout of the project (``git worktree add TREE <commit>``), so an earlier commit and this one
-are measured in the same run, against the same plain Celery. Its producer is plain Celery's (a
+``--baseline TREE`` adds the variants ``claims-base`` and ``claims-sep-base``: the ``claims``
+worker (with the store on the broker, and on a server of its own) run from another checkout
+of the project (``git worktree add TREE <commit>``), so an earlier commit and this one are
+measured in the same run, against the same plain Celery. Their producer is plain Celery's (a
 checkout from before the publish journal journals nothing when it publishes).
 """
 
@@ -46,23 +47,26 @@ KINDS = (("noop", "bench.noop"), ("10ms", "bench.sleep10"))
 _producers: dict[tuple[str, str], object] = {}
 
 
-#: The checkout the ``claims-base`` variant's worker runs from (``--baseline``).
+#: The checkout the ``claims-base`` variants' workers run from (``--baseline``).
 BASELINE: Path | None = None
+BASE_VARIANTS = ("claims-base", "claims-sep-base")
 
 
 def start_worker(
     url: str, variant: str, pool: str, queue: str, log: Path
 ) -> subprocess.Popen[bytes]:
-    tree = ROOT
-    if variant == "claims-base":
-        assert BASELINE is not None, "claims-base needs --baseline"
+    tree, extra = ROOT, []
+    if variant in BASE_VARIANTS:
+        assert BASELINE is not None, f"{variant} needs --baseline"
+        if variant == "claims-sep-base":
+            extra = ["--claims-redis-url", os.environ["BENCH_STORE_URL"]]
         tree, variant = BASELINE, "claims"
     env = {**os.environ, "BENCH_VARIANT": variant, "BENCH_URL": url, "BENCH_QUEUE": queue}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     args = [
         sys.executable, "-m", "celery", "-A", "bench.overhead_app", "worker",
         "-P", pool, "-c", "2" if pool == "prefork" else "1", "-Q", queue, "-l", "WARNING",
-        "--without-mingle", "--without-gossip", "--without-heartbeat",
+        "--without-mingle", "--without-gossip", "--without-heartbeat", *extra,
     ]  # fmt: skip
     with log.open("wb") as out:
         return subprocess.Popen(
@@ -89,7 +93,7 @@ def run_batch(
     """Publish ``n`` tasks and return the seconds until all are acked."""
     app = _producers.get((variant, queue))
     if app is None:
-        producer = "plain" if variant == "claims-base" else variant
+        producer = "plain" if variant in BASE_VARIANTS else variant
         app = _producers[(variant, queue)] = build(producer, url, queue)
     sender = app.tasks[task]
     offset = int(time.time() * 1000) * 10_000  # unique args: celery-once/singleton key on them
@@ -137,8 +141,9 @@ def main() -> None:
     opts = parser.parse_args()
     global BASELINE
     BASELINE = opts.baseline
-    if BASELINE is not None and "claims-base" not in opts.variants.split(","):
-        opts.variants += ",claims-base"
+    if BASELINE is not None:
+        chosen = opts.variants.split(",")
+        opts.variants = ",".join(chosen + [v for v in BASE_VARIANTS if v not in chosen])
     os.environ["BENCH_PREFETCH"] = str(opts.prefetch)  # read by every worker started below
     tasks, rounds, warmup = opts.tasks, opts.rounds, opts.warmup
     variants = tuple(opts.variants.split(","))
