@@ -49,6 +49,7 @@ __all__ = [
     "shares_delivery_tags",
     "store_is_broker",
     "unwrap_exception",
+    "close_result_backend",
     "close_with",
     "wrap_send_task",
 ]
@@ -540,6 +541,27 @@ def close_with(app: Any, close: Callable[[], object]) -> None:
 
     close_app.__doc__ = original.__doc__
     app.close = close_app
+
+
+def close_result_backend(backend: Any) -> None:
+    """Close a result backend's pub/sub consumer and its connections.
+
+    Celery leaves these to the garbage collector. The consumer also lets go of its pub/sub:
+    an ``AsyncResult`` deleted later unsubscribes through it, and Celery 5.3 to 5.6's Redis
+    consumer sends that even for a task it no longer follows, reconnecting for it (to a
+    server that may be gone by then); 5.7 skips it. A later wait subscribes afresh. Read in
+    Celery 5.3 to 5.7.
+    """
+    consumer = getattr(backend, "result_consumer", None)
+    if consumer is not None:
+        with contextlib.suppress(Exception):
+            consumer.stop()
+        if getattr(consumer, "_pubsub", None) is not None:
+            consumer._pubsub = None
+    client = getattr(backend, "client", None)
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.connection_pool.disconnect()
 
 
 def fail_unrun(request: Any, exc: BaseException) -> None:
