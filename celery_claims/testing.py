@@ -478,6 +478,12 @@ def _close_thread_backend(app: Any) -> None:
 class _ThreadWorkController(TestWorkController):  # type: ignore[misc]
     """Celery's in-process test worker; its thread closes the result backend it used."""
 
+    def __init__(self, *args: Any, node_name: str | None = None, **kwargs: Any) -> None:
+        # Celery 5.3 and 5.4's start_worker always passes a hostname of its own (5.5 takes one)
+        if node_name is not None:
+            kwargs["hostname"] = node_name
+        super().__init__(*args, **kwargs)
+
     def start(self) -> None:
         try:
             super().start()
@@ -500,7 +506,8 @@ def in_process_worker(app: Any, **options: Any) -> Iterator[Any]:
             starts).
         **options: :func:`celery.contrib.testing.worker.start_worker` options, over these
             defaults: ``pool="solo"``, ``concurrency=1``, ``perform_ping_check=False``,
-            ``shutdown_timeout=30.0``, ``loglevel="WARNING"``.
+            ``shutdown_timeout=30.0``, ``loglevel="WARNING"``; ``hostname`` (the node name)
+            on every Celery version.
 
     Yields:
         The running worker.
@@ -513,6 +520,7 @@ def in_process_worker(app: Any, **options: Any) -> Iterator[Any]:
         "loglevel": "WARNING",
         **options,
     }
+    settings["node_name"] = settings.pop("hostname", None)
     with start_worker(app, WorkController=_ThreadWorkController, **settings) as worker:
         yield worker
 
