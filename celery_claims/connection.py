@@ -537,11 +537,27 @@ def sentinel_down_after_ms(client: Any) -> int | None:
         return None
     for sentinel in pool.sentinel_manager.sentinels:
         try:
-            state = sentinel.sentinel_master(pool.service_name)
+            state = _sentinel_master_state(sentinel, pool.service_name)
             return int(state["down-after-milliseconds"])
         except (redis_errors.RedisError, OSError, KeyError, TypeError, ValueError):
             continue
     return None
+
+
+def _sentinel_master_state(sentinel: Any, service: str) -> dict[str, str]:
+    """``SENTINEL MASTER <service>`` of one Sentinel, as strings.
+
+    Sent as a plain command: redis-py 6.4's ``sentinel_master()`` passes its reply parser an
+    argument the parser does not take (TypeError). The reply is a flat list of names and
+    values (RESP2) or a map (RESP3).
+    """
+    reply = sentinel.execute_command("SENTINEL", "MASTER", service)
+    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+    return {_text(name): _text(value) for name, value in pairs}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 #: Connection options of a Sentinel-managed pool that a direct connection to one of its

@@ -358,10 +358,20 @@ class RedisSentinels:
         self._clients.append(client)
         return client
 
+    # SENTINEL subcommands are sent plainly: redis-py 6.4's sentinel_* methods pass their reply
+    # parsers an argument the parsers do not take (TypeError)
+
     def master_port(self) -> int:
         """The port of the server the Sentinels call the master now."""
-        address = self.sentinel().sentinel_get_master_addr_by_name(self.MASTER)
+        address = self.sentinel().execute_command(
+            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.MASTER
+        )
         return int(address[1])
+
+    def _known(self, index: int, what: str) -> int:
+        """How many other Sentinels (``SENTINELS``) or replicas (``SLAVES``) Sentinel
+        ``index`` knows of the master."""
+        return len(self.sentinel(index).execute_command("SENTINEL", what, self.MASTER))
 
     def start(self) -> RedisSentinels:
         self.master.start()
@@ -391,8 +401,8 @@ class RedisSentinels:
                 # failover needs them), and the replica is in sync
                 ready = (
                     all(
-                        len(self.sentinel(i).sentinel_sentinels(self.MASTER)) == len(self.procs) - 1
-                        and len(self.sentinel(i).sentinel_slaves(self.MASTER)) == 1
+                        self._known(i, "SENTINELS") == len(self.procs) - 1
+                        and self._known(i, "SLAVES") == 1
                         for i in range(len(self.procs))
                     )
                     and self.replica.client().info("replication").get("master_link_status") == "up"
