@@ -470,8 +470,11 @@ def close_app(app: Any) -> None:
 
 def _close_thread_backend(app: Any) -> None:
     """Close the result backend of ``app`` that this thread uses."""
-    gc.collect()  # AsyncResult.__del__ unsubscribes while the server is still up
     close_result_backend(app.backend)
+    # then the AsyncResults only reachable through cycles: their __del__ unsubscribes, which
+    # with the pub/sub closed sends nothing (the server may be stopped already; Celery 5.3
+    # to 5.6 would reconnect for it, retrying for seconds per result)
+    gc.collect()
 
 
 # Celery's classes are untyped (Any) to mypy; subclassing is how start_worker takes its worker
