@@ -395,6 +395,23 @@ def _policy(timeout_s: float) -> dict[str, Any]:
     }
 
 
+def _handshake(connection: Any) -> None:
+    """redis-py's connect-time handshake (``on_connect``), its health check off meanwhile.
+
+    redis-py 5.0 to 5.2 health-check the handshake's own commands: where the server answers
+    something that is not Redis's protocol, each failed ``PING`` reconnects from inside the
+    handshake, without end, and each level leaves a socket unclosed (redis-py issue #2866).
+    The handshake's first reply then fails it once, and redis-py closes its socket; the
+    health check resumes with the next command. (A Cluster client has a handshake of its own.)
+    """
+    interval = connection.health_check_interval
+    connection.health_check_interval = 0
+    try:
+        connection.on_connect()
+    finally:
+        connection.health_check_interval = interval
+
+
 def connect(
     url: str,
     options: Mapping[str, Any] | None = None,
@@ -420,6 +437,8 @@ def connect(
         raise InvalidArgument("timeout_s", f"must be a positive number, got {timeout_s!r:.80}")
     spec = parse(url, options, cluster=cluster, url_name=url_name, options_name=options_name)
     policy = _policy(float(timeout_s))
+    if spec.kind != "cluster":
+        policy["redis_connect_func"] = _handshake
     if spec.kind == "sentinel":
         sentinel_kwargs = {
             "socket_timeout": policy["socket_timeout"],
@@ -518,11 +537,27 @@ def sentinel_down_after_ms(client: Any) -> int | None:
         return None
     for sentinel in pool.sentinel_manager.sentinels:
         try:
-            state = sentinel.sentinel_master(pool.service_name)
+            state = _sentinel_master_state(sentinel, pool.service_name)
             return int(state["down-after-milliseconds"])
         except (redis_errors.RedisError, OSError, KeyError, TypeError, ValueError):
             continue
     return None
+
+
+def _sentinel_master_state(sentinel: Any, service: str) -> dict[str, str]:
+    """``SENTINEL MASTER <service>`` of one Sentinel, as strings.
+
+    Sent as a plain command: redis-py 6.4's ``sentinel_master()`` passes its reply parser an
+    argument the parser does not take (TypeError). The reply is a flat list of names and
+    values (RESP2) or a map (RESP3).
+    """
+    reply = sentinel.execute_command("SENTINEL", "MASTER", service)
+    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+    return {_text(name): _text(value) for name, value in pairs}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 #: Connection options of a Sentinel-managed pool that a direct connection to one of its
@@ -612,6 +647,7 @@ def verify(client: RedisClient, where: str) -> None:
     except RecursionError as exc:
         # redis-py 5.0 to 5.2 reconnects from the health check of its connect-time handshake,
         # without end, while the server answers something that is not Redis's protocol
+        # (_handshake prevents it but for a Cluster client's nodes, which have their own)
         raise BackendUnavailable(
             f"claim store at {describe(where)} unavailable: its answers are not Redis's "
             "protocol (a TLS port reached without rediss://?)"

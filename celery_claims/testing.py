@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import pytest
 from celery import Celery
 from celery.contrib.testing.app import setup_default_app
-from celery.contrib.testing.worker import start_worker
+from celery.contrib.testing.worker import TestWorkController, start_worker
 
 from celery_claims.claims.memory import MemoryClaimManager
 from celery_claims.claims.redis import RedisClaimManager
@@ -51,6 +51,7 @@ from celery_claims.demo.runner import DemoError, private_redis
 from celery_claims.errors import ClaimError, InvalidArgument
 from celery_claims.model import AlreadyDone, ClaimToken, GivenUp
 from celery_claims.worker import install, signals
+from celery_claims.worker.compat import close_result_backend
 from celery_claims.worker.identity import Attempt, claim_task_id
 
 __all__ = [
@@ -455,32 +456,76 @@ def _opt_id(task_id: Any) -> str | None:
     return None if task_id is None else _task_id(task_id)
 
 
-def _unsubscribed(task_id: str) -> None:
-    """The ``cancel_for`` of a closed app's result consumer: nothing left to unsubscribe."""
-
-
 def close_app(app: Any) -> None:
-    """Close what an app opened in this thread (result consumer, backend connections).
+    """Close what an app opened in this thread (result consumer, backend connections), then
+    the app.
 
     Celery leaves these to the garbage collector; under ``filterwarnings = error`` a socket
-    it finds later fails an unrelated test.
+    it finds later fails an unrelated test. The worker thread of :func:`in_process_worker`
+    closes its own.
     """
-    gc.collect()  # AsyncResult.__del__ unsubscribes while the server is still up
-    backend = app.backend
-    consumer = getattr(backend, "result_consumer", None)
-    if consumer is not None:
-        with contextlib.suppress(Exception):
-            consumer.stop()
-        # A result the collector frees later (one in a reference cycle) would unsubscribe
-        # through the stopped consumer, reconnecting for 20 s to a server that may be gone by
-        # then and raising in its finaliser: a closed app's results unsubscribe from nothing.
-        with contextlib.suppress(Exception):
-            consumer.cancel_for = _unsubscribed
-    client = getattr(backend, "client", None)
-    if client is not None:
-        with contextlib.suppress(Exception):
-            client.connection_pool.disconnect()
+    _close_thread_backend(app)
     app.close()
+
+
+def _close_thread_backend(app: Any) -> None:
+    """Close the result backend of ``app`` that this thread uses."""
+    close_result_backend(app.backend)
+    # then the AsyncResults only reachable through cycles: their __del__ unsubscribes, which
+    # with the pub/sub closed sends nothing (the server may be stopped already; Celery 5.3
+    # to 5.6 would reconnect for it, retrying for seconds per result)
+    gc.collect()
+
+
+# Celery's classes are untyped (Any) to mypy; subclassing is how start_worker takes its worker
+class _ThreadWorkController(TestWorkController):  # type: ignore[misc]
+    """Celery's in-process test worker; its thread closes the result backend it used."""
+
+    def __init__(self, *args: Any, node_name: str | None = None, **kwargs: Any) -> None:
+        # Celery 5.3 and 5.4's start_worker always passes a hostname of its own (5.5 takes one)
+        if node_name is not None:
+            kwargs["hostname"] = node_name
+        super().__init__(*args, **kwargs)
+
+    def start(self) -> None:
+        try:
+            super().start()
+        finally:
+            _close_thread_backend(self.app)
+
+
+@contextlib.contextmanager
+def in_process_worker(app: Any, **options: Any) -> Iterator[Any]:
+    """An in-process worker of ``app`` (solo pool, a thread of this process), stopped on exit.
+
+    The test and the worker thread each use a result backend of their own (Celery's default,
+    ``result_backend_thread_safe`` off), each closed by its thread. One shared backend is not
+    safe before Celery 5.7: its Redis result consumer is not thread-safe, and an AsyncResult
+    the worker thread drops (``retry()`` and ``replace()`` make them) ends the test's wait on
+    the same task id (Celery issue #4925, fixed in 5.7), so ``get()`` times out.
+
+    Args:
+        app: the Celery app, its tasks defined (the worker wraps the tasks it knows when it
+            starts).
+        **options: :func:`celery.contrib.testing.worker.start_worker` options, over these
+            defaults: ``pool="solo"``, ``concurrency=1``, ``perform_ping_check=False``,
+            ``shutdown_timeout=30.0``, ``loglevel="WARNING"``; ``hostname`` (the node name)
+            on every Celery version.
+
+    Yields:
+        The running worker.
+    """
+    settings: dict[str, Any] = {
+        "pool": "solo",
+        "concurrency": 1,
+        "perform_ping_check": False,
+        "shutdown_timeout": 30.0,
+        "loglevel": "WARNING",
+        **options,
+    }
+    settings["node_name"] = settings.pop("hostname", None)
+    with start_worker(app, WorkController=_ThreadWorkController, **settings) as worker:
+        yield worker
 
 
 # --- fixtures -----------------------------------------------------------------------------
@@ -515,8 +560,6 @@ def claims_config(claims_redis_url: str) -> dict[str, Any]:
         "task_acks_late": True,
         "worker_prefetch_multiplier": 1,
         "worker_hijack_root_logger": False,
-        # one backend for the test and the worker thread, so closing the app closes both
-        "result_backend_thread_safe": True,
         # redis-py 8 deprecates SETEX, which Celery's Redis backend uses for expiring results
         "result_expires": None,
         "claims_prefix": f"claims-test-{name}",
@@ -552,14 +595,7 @@ def claims_worker(claims_app: Any) -> Iterator[Any]:
     Define the app's tasks before requesting it: the worker wraps the tasks it knows when it
     starts.
     """
-    with start_worker(
-        claims_app,
-        pool="solo",
-        concurrency=1,
-        perform_ping_check=False,
-        shutdown_timeout=30.0,
-        loglevel="WARNING",
-    ) as worker:
+    with in_process_worker(claims_app) as worker:
         yield worker
 
 

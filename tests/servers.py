@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import re
 import shutil
@@ -22,9 +23,18 @@ from urllib.parse import quote
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 #: Seconds a server gets to answer PING after it was started.
 START_TIMEOUT_S = 10.0
+#: Client options that skip ``CLIENT SETINFO``: redis-py 8's ``driver_info`` (its deprecated
+#: ``lib_name`` and ``lib_version`` warn); 5.0 to 7.x have only those two.
+NO_SETINFO: dict[str, None] = (
+    {"driver_info": None}
+    if "driver_info" in inspect.signature(redis.Redis.__init__).parameters
+    else {"lib_name": None, "lib_version": None}
+)
 
 
 @functools.cache
@@ -93,6 +103,14 @@ class RedisServer:
         client = redis.Redis(host="127.0.0.1", port=self.port, **kwargs)  # type: ignore[arg-type]
         self._clients.append(client)
         return client
+
+    def bare_client(self, socket_timeout: float) -> redis.Redis:
+        """A client that shows the server's replies as they are: RESP2 without a handshake
+        (no ``HELLO``, no ``CLIENT SETINFO``) and without retries (redis-py retries
+        ``LOADING`` by default)."""
+        return self.client(
+            socket_timeout=socket_timeout, protocol=2, retry=Retry(NoBackoff(), 0), **NO_SETINFO
+        )
 
     def port_args(self) -> list[str]:
         """The listening arguments (a TLS server listens on its TLS port only)."""
@@ -340,10 +358,20 @@ class RedisSentinels:
         self._clients.append(client)
         return client
 
+    # SENTINEL subcommands are sent plainly: redis-py 6.4's sentinel_* methods pass their reply
+    # parsers an argument the parsers do not take (TypeError)
+
     def master_port(self) -> int:
         """The port of the server the Sentinels call the master now."""
-        address = self.sentinel().sentinel_get_master_addr_by_name(self.MASTER)
+        address = self.sentinel().execute_command(
+            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.MASTER
+        )
         return int(address[1])
+
+    def _known(self, index: int, what: str) -> int:
+        """How many other Sentinels (``SENTINELS``) or replicas (``SLAVES``) Sentinel
+        ``index`` knows of the master."""
+        return len(self.sentinel(index).execute_command("SENTINEL", what, self.MASTER))
 
     def start(self) -> RedisSentinels:
         self.master.start()
@@ -373,8 +401,8 @@ class RedisSentinels:
                 # failover needs them), and the replica is in sync
                 ready = (
                     all(
-                        len(self.sentinel(i).sentinel_sentinels(self.MASTER)) == len(self.procs) - 1
-                        and len(self.sentinel(i).sentinel_slaves(self.MASTER)) == 1
+                        self._known(i, "SENTINELS") == len(self.procs) - 1
+                        and self._known(i, "SLAVES") == 1
                         for i in range(len(self.procs))
                     )
                     and self.replica.client().info("replication").get("master_link_status") == "up"

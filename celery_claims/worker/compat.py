@@ -50,6 +50,7 @@ __all__ = [
     "shares_delivery_tags",
     "store_is_broker",
     "unwrap_exception",
+    "close_result_backend",
     "close_with",
     "wrap_send_task",
 ]
@@ -547,6 +548,36 @@ def close_with(app: Any, close: Callable[[], object]) -> None:
 
     close_app.__doc__ = original.__doc__
     app.close = close_app
+
+
+def _nothing_to_cancel(task_id: str) -> None:
+    """The ``cancel_for`` of a closed result consumer: it follows nothing any more."""
+
+
+def close_result_backend(backend: Any) -> None:
+    """Close a result backend's pub/sub consumer and its connections.
+
+    Celery leaves these to the garbage collector. The consumer also lets go of its pub/sub:
+    an ``AsyncResult`` deleted later unsubscribes through it, and Celery 5.3 to 5.6's Redis
+    consumer sends that even for a task it no longer follows, reconnecting for it (to a
+    server that may be gone by then); 5.7 skips it. A later wait subscribes afresh. Read in
+    Celery 5.3 to 5.7.
+    """
+    consumer = getattr(backend, "result_consumer", None)
+    if consumer is not None:
+        with contextlib.suppress(Exception):
+            consumer.stop()
+        if getattr(consumer, "_pubsub", None) is not None:
+            consumer._pubsub = None
+        # a result the collector frees later (one in a reference cycle) unsubscribes from
+        # nothing: through the stopped consumer it reconnected for 20 s to a server that may
+        # be gone by then, and raised in its finaliser
+        with contextlib.suppress(Exception):
+            consumer.cancel_for = _nothing_to_cancel
+    client = getattr(backend, "client", None)
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.connection_pool.disconnect()
 
 
 def fail_unrun(request: Any, exc: BaseException) -> None:

@@ -447,8 +447,9 @@ class ClusterPipe:
 
     def pipe_of(self, call: ScriptCall[Any]) -> StorePipe:
         """The pipe to the node that owns ``call``'s slot (as the client's slot map has it)."""
-        cluster: Any = self.client  # get_node_from_key is untyped in redis-py
-        node = cluster.get_node_from_key(call.keys[0])
+        cluster: Any = self.client  # untyped in redis-py
+        # the lookup redis-py routes its own commands with (it applies a MOVED it was told of)
+        node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(call.keys[0]))
         pipe = self.pipes.get(node.name)
         if pipe is None:
             pool = self.client.get_redis_connection(node).connection_pool
@@ -503,8 +504,12 @@ class ClusterPipe:
         call: ScriptCall[Any],
         callback: Callable[[Outcome], None],
     ) -> None:
-        # the client's own slot map learns it too, as redis-py's cluster client does
-        self.client.nodes_manager.move_slot(moved)
+        # the client's own slot map learns it too, as redis-py's cluster client does: at once
+        # with redis-py 8's move_slot; 5.0 to 7.x apply update_moved_exception at the next
+        # lookup of a slot (pipe_of's, below)
+        nodes: Any = self.client.nodes_manager  # untyped in redis-py
+        learn = getattr(nodes, "move_slot", None) or nodes.update_moved_exception
+        learn(moved)
         try:
             self.submit(call, callback, redirected=True)
         except ClaimError as exc:

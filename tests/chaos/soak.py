@@ -32,8 +32,6 @@ from pathlib import Path
 
 import redis
 import sqlalchemy as sa
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from celery_claims import GivenUp, RedisClaimManager
 from tests.chaos.ledger import Ledger
@@ -146,9 +144,7 @@ class TcpProxy:
 
 def _probe(server: RedisServer) -> redis.Redis:
     # RESP2 without a handshake and without retries: a loading server answers LOADING to it
-    return server.client(
-        socket_timeout=2, protocol=2, driver_info=None, retry=Retry(NoBackoff(), 0)
-    )
+    return server.bare_client(socket_timeout=2)
 
 
 def _ping(client: redis.Redis) -> str:

@@ -5,15 +5,14 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 
 # the testing kit's own, re-exported for the suite
 from celery_claims.testing import close_app as close_app
+from celery_claims.testing import in_process_worker as in_process_worker
 from celery_claims.worker import install
 
 T = TypeVar("T")
@@ -85,8 +84,6 @@ def make_app(
         worker_hijack_root_logger=False,
         # redis-py 8 deprecates SETEX, which Celery's result backend uses for expiring results
         result_expires=None,
-        # one backend for the test thread and the worker thread, so close_app closes both
-        result_backend_thread_safe=True,
         claims_prefix=claims_prefix,
         claims_lease_ms=LEASE_MS,
         claims_renew_interval_ms=RENEW_INTERVAL_MS,
@@ -99,21 +96,6 @@ def make_app(
     if plugin:
         install(app)
     return app
-
-
-@contextmanager
-def in_process_worker(app: Celery, **kwargs: Any) -> Iterator[Any]:
-    """One in-process worker (never two at once: they share Celery's global worker state)."""
-    options: dict[str, Any] = {
-        "pool": "solo",
-        "concurrency": 1,
-        "perform_ping_check": False,
-        "shutdown_timeout": 30.0,
-        "loglevel": "WARNING",
-    }
-    options.update(kwargs)
-    with start_worker(app, **options) as worker:
-        yield worker
 
 
 class Paused:

@@ -26,8 +26,6 @@ import redis
 from celery import Celery
 from celery.worker import state as worker_state
 from kombu.transport.redis import Channel as RedisChannel
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from celery_claims import RedisClaimManager
 from tests.servers import RedisServer, redis_server
@@ -62,9 +60,7 @@ PREFORK_KEY_LOAD_DELAY_US = 300
 def _probe(server: RedisServer) -> redis.Redis:
     """A client that shows ``LOADING`` as it is: RESP2 without a handshake (redis-py's
     ``HELLO`` fails oddly on a loading server), and no retries."""
-    return server.client(
-        socket_timeout=5, protocol=2, driver_info=None, retry=Retry(NoBackoff(), 0)
-    )
+    return server.bare_client(socket_timeout=5)
 
 
 def _restart(server: RedisServer) -> None:

@@ -183,6 +183,29 @@ def test_replace_runs_the_replacement_but_not_a_duplicate_of_the_replaced_attemp
         assert recorder.of("echo") == ["from-replacement"]
 
 
+def test_a_caller_waiting_on_a_task_that_replaces_itself_gets_the_replacement_result(
+    app: Celery, recorder: Recorder, claims: RedisClaimManager, queue: str
+) -> None:
+    # Given a task that replaces itself only once its caller is waiting on its result: replace()
+    # makes and drops an AsyncResult of the same id in the worker thread, which on Celery 5.3
+    # to 5.6 ends every wait on that id in the backend it was made with (Celery #4925)
+    caller_waits = threading.Event()
+
+    @app.task(shared=False, name="t.replaced_while_waited", bind=True)
+    def replaced_while_waited(self: Any) -> Any:
+        caller_waits.wait(10)
+        return self.replace(app.tasks["t.echo"].si("from-replacement"))
+
+    with in_process_worker(app):
+        # When the caller waits on it
+        result = replaced_while_waited.apply_async(task_id="replace-waited-1")
+
+        # Then it gets the replacement's result
+        assert result.get(timeout=10, on_interval=caller_waits.set) == "from-replacement"
+        assert recorder.of("echo") == ["from-replacement"]
+        wait_done(claims, queue, "replace-waited-1:0:1")
+
+
 def test_opted_out_and_celery_tasks_run_every_copy_without_a_claim(
     app: Celery, recorder: Recorder, claims: RedisClaimManager
 ) -> None:

@@ -21,8 +21,6 @@ import pytest
 import redis
 from celery import Celery
 from kombu.asynchronous import Hub
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 from redis.utils import HIREDIS_AVAILABLE
 
 from celery_claims import (
@@ -399,9 +397,7 @@ def _restart(server: RedisServer) -> None:
 
 def _loading(server: RedisServer) -> bool:
     # RESP2 without a handshake and without retries (redis-py retries LOADING by default)
-    probe = server.client(
-        socket_timeout=2, protocol=2, driver_info=None, retry=Retry(NoBackoff(), 0)
-    )
+    probe = server.bare_client(socket_timeout=2)
     try:
         probe.execute_command("PING")
     except redis.exceptions.BusyLoadingError:
