@@ -130,6 +130,13 @@ class ClaimsAgreeWithTheSpecification(RuleBasedStateMachine):
     @rule(limit=st.one_of(st.none(), st.integers(min_value=1, max_value=3)))
     def cleanup(self, limit: int | None) -> None:
         self.both("cleanup_expired", limit=limit)
+        if limit is not None:
+            # Which expired claims a limited run removes first is not part of the contract
+            # (the Redis backend keeps no expiry index: it removes them in its sweep's order,
+            # the specification soonest expiry first), so the two may now hold different
+            # expired claims: both removed as many, and a run without a limit removes the
+            # rest, leaving both with the same claims again.
+            self.both("cleanup_expired", limit=None)
 
     @invariant()
     def listings_and_stats_agree(self) -> None:
