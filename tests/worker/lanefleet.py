@@ -24,9 +24,11 @@ def lanes_worker(
     concurrency: int = 2,
     lane_recheck_ms: int = 500,
     env: dict[str, str] | None = None,
+    journal_recover_after_ms: int | None = None,
 ) -> Proc:
     """Start ``celery worker`` on ``tests.worker.apps.lanes_app`` for ``queue`` and its
-    ``-other`` queue, with the short leases of the worker tests."""
+    ``-other`` queue, with the short leases of the worker tests (``journal_recover_after_ms``:
+    recover the publish journal that soon, scanning every half second)."""
     args = [
         "-A", "tests.worker.apps.lanes_app", "worker",
         "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO",
@@ -38,6 +40,11 @@ def lanes_worker(
         "--claims-lane-recheck-ms", str(lane_recheck_ms),
         "--claims-socket-timeout-ms", "1000",
     ]  # fmt: skip
+    if journal_recover_after_ms is not None:
+        args += [
+            "--claims-journal-recover-after-ms", str(journal_recover_after_ms),
+            "--claims-journal-scan-interval-ms", "500",
+        ]  # fmt: skip
     environ = {
         "CLAIMS_TEST_BROKER": broker,
         "CLAIMS_TEST_BACKEND": backend,
