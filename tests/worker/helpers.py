@@ -32,6 +32,9 @@ RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 LEASE_MS = 3000
 RENEW_INTERVAL_MS = 500
 HELD_RECHECK_MS = 300
+#: Journal settings of the worker subprocess tests: recovery acts 5 s after a publish (above
+#: the fleet's 3 s lease and visibility timeout) and workers look every half second.
+FAST_JOURNAL = {"claims_journal_recover_after_ms": 5000, "claims_journal_scan_interval_ms": 500}
 
 
 def wait_for(

@@ -22,16 +22,14 @@ import signal
 import pytest
 
 from tests.servers import RedisServer
-from tests.worker.helpers import unique, wait_done, wait_for
+from tests.worker.helpers import FAST_JOURNAL, unique, wait_done, wait_for
 from tests.worker.processes import Fleet, events_of, executions, unacked_task_ids
 
 pytestmark = pytest.mark.slow
 
 APP = "tests.worker.apps.defects_app"
 
-#: Journal settings of the test: recovery acts 5 s after the publish (above the 3 s lease and
-#: visibility timeout of the fleet's workers) and workers look every half second.
-JOURNAL = {"claims_journal_recover_after_ms": 5000, "claims_journal_scan_interval_ms": 500}
+JOURNAL = FAST_JOURNAL
 
 
 def test_a_message_popped_by_a_worker_killed_before_it_recorded_the_delivery_runs_once(

@@ -17,16 +17,14 @@ import signal
 import pytest
 
 from tests.servers import RedisServer
-from tests.worker.helpers import unique, wait_for
+from tests.worker.helpers import FAST_JOURNAL, unique, wait_for
 from tests.worker.processes import Fleet, events_of, executions, unacked_task_ids
 
 pytestmark = pytest.mark.slow
 
 APP = "tests.worker.apps.defects_app"
 
-#: Recovery acts 5 s after the publish (above the fleet's 3 s lease and visibility timeout);
-#: workers look every half second.
-JOURNAL = {"claims_journal_recover_after_ms": 5000, "claims_journal_scan_interval_ms": 500}
+JOURNAL = FAST_JOURNAL
 
 
 def test_a_failed_task_is_not_run_again_when_its_worker_dies_after_the_ack(
