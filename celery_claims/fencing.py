@@ -51,12 +51,16 @@ class TaskClaim(ClaimToken):
 
     Attributes:
         lease_ms: the lease each renewal extends to.
+        mark_start: the claim was granted by a takeover under ``claims_max_takeovers``: the
+            process that runs the task marks its start in the store before the body, so that
+            only a holder that started the task counts toward the limit if it dies.
     """
 
     lease_ms: int
+    mark_start: bool = False
 
     @classmethod
-    def of(cls, token: ClaimToken, lease_ms: int) -> TaskClaim:
+    def of(cls, token: ClaimToken, lease_ms: int, *, mark_start: bool = False) -> TaskClaim:
         """The task's view of ``token``."""
         return cls(
             token.queue_id,
@@ -66,6 +70,7 @@ class TaskClaim(ClaimToken):
             token.created_at,
             token.expires_at,
             lease_ms,
+            mark_start,
         )
 
     def token(self) -> ClaimToken:

@@ -164,7 +164,7 @@ class QueueKeys:
 
     @cached_property
     def entry_keys(self) -> list[str]:
-        """KEYS of extend.lua, renew.lua, peek.lua and list.lua."""
+        """KEYS of extend.lua, renew.lua, peek.lua, list.lua and mark_started.lua."""
         return [self.claims, self.owners]
 
     @cached_property

@@ -48,7 +48,16 @@ class _Queue:
     done: dict[str, tuple[AlreadyDone | GivenUp, int]] = field(default_factory=dict)
     #: takeovers granted per task, counted only under a takeover limit; never outlives its claim
     takeovers: dict[str, int] = field(default_factory=dict)
+    #: tasks whose claim a takeover granted, under a takeover limit, and whose holder has not
+    #: marked its start (``mark_started``): its death does not count
+    unstarted: set[str] = field(default_factory=set)
     last_instance: int = 0
+
+    def forget(self, task_id: str) -> None:
+        """The task's claim is gone: its takeover count and start mark go with it."""
+        self.takeovers.pop(task_id, None)
+        self.unstarted.discard(task_id)
+
     stats: ClaimStats = field(default_factory=ClaimStats)
 
 
@@ -123,11 +132,18 @@ class MemoryClaimManager:
                     self._count(queue, contentions=1)
                     return AlreadyClaimed(owner=current.owner, expires_at=current.expires_at)
                 previous_owner = current.owner
-                if max_takeovers is not None:
+                if max_takeovers is not None and task_id not in queue.unstarted:
+                    # its holder may have died of it (see ClaimManager.claim_unless_done)
                     taken = queue.takeovers.get(task_id, 0)
                     if taken >= max_takeovers:
                         return self._give_up(queue, task_id, current, taken, now, given_up_ttl_ms)
                     queue.takeovers[task_id] = taken + 1
+                if max_takeovers is None:
+                    queue.unstarted.discard(task_id)
+                else:
+                    queue.unstarted.add(task_id)
+            elif current is None:
+                queue.unstarted.discard(task_id)
             queue.last_instance += 1
             token = ClaimToken(queue_id, task_id, owner, queue.last_instance, now, now + lease_ms)
             queue.claims[task_id] = token
@@ -142,7 +158,7 @@ class MemoryClaimManager:
     ) -> GivenUp:
         """One takeover too many: drop the expired claim and its count, keep a given-up record."""
         del queue.claims[task_id]
-        queue.takeovers.pop(task_id, None)
+        queue.forget(task_id)
         record = GivenUp(previous_owner=expired.owner, takeovers=taken, given_up_at=now)
         if ttl_ms > 0:
             queue.done[task_id] = (record, now + ttl_ms)
@@ -169,7 +185,7 @@ class MemoryClaimManager:
         with queue.lock:
             current = self._check(queue, token.task_id, token)
             del queue.claims[token.task_id]
-            queue.takeovers.pop(token.task_id, None)
+            queue.forget(token.task_id)
             self._count(queue, acks=1)
             if done_ttl_ms is not None:
                 now = self._clock()
@@ -224,7 +240,7 @@ class MemoryClaimManager:
                 )[: max(budget - removed, 0)]
                 for _, task_id in expired:
                     del queue.claims[task_id]
-                    queue.takeovers.pop(task_id, None)
+                    queue.forget(task_id)
                 self._count(queue, expirations=len(expired))
                 removed += len(expired)
                 for task_id in [t for t, (_, until) in queue.done.items() if now >= until]:
@@ -274,6 +290,14 @@ class MemoryClaimManager:
             max_takeovers=max_takeovers,
             given_up_ttl_ms=given_up_ttl_ms,
         )
+
+    def mark_started(self, token: ClaimToken) -> None:
+        """See :meth:`celery_claims.ClaimManager.mark_started`."""
+        require_token(token)
+        queue = self._existing(token.queue_id)
+        with queue.lock:
+            self._check(queue, token.task_id, token)
+            queue.unstarted.discard(token.task_id)
 
     def complete(self, token: ClaimToken, done_ttl_ms: int) -> None:
         """See :meth:`celery_claims.ClaimManager.complete`."""

@@ -107,10 +107,17 @@ class ClaimManager(Protocol):
         """Like ``claim``, but answer the task's record instead when it has a live one.
 
         A live completion record answers ``AlreadyDone``, a live given-up record ``GivenUp``.
-        With ``max_takeovers`` set, every ``TookOver`` of the task is counted; the takeover that
-        would make the count exceed ``max_takeovers`` is refused: the expired claim and the
-        count are removed, a given-up record is kept for ``given_up_ttl_ms``, and the answer is
+        With ``max_takeovers`` set, the task's takeovers are counted; the takeover that would
+        make the count exceed ``max_takeovers`` is refused: the expired claim and the count are
+        removed, a given-up record is kept for ``given_up_ttl_ms``, and the answer is
         ``GivenUp`` (so 0 refuses the first takeover). ``None`` neither counts nor limits.
+
+        What is counted is a holder that may have died of the task: the takeover of the
+        task's first claim (whose start is not marked), and of a claim granted by a takeover
+        whose holder marked its start (``mark_started``). A takeover's holder that died
+        before it started the task (a worker killed with the task still in its prefetch) is
+        taken over again without counting, so an innocent task is not given up as poison
+        because its workers kept dying around it.
 
         Args:
             queue_id: the task's queue.
@@ -126,6 +133,19 @@ class ClaimManager(Protocol):
         Raises:
             InvalidArgument: as ``claim``; ``max_takeovers`` not ``None`` or an int >= 0 (a
                 bool is refused); ``given_up_ttl_ms`` out of range.
+            BackendUnavailable: the claim store could not be reached.
+        """
+        ...
+
+    def mark_started(self, token: ClaimToken) -> None:
+        """Record that the holder of ``token`` started the task (see ``claim_unless_done``).
+
+        Only a claim granted by a takeover under a takeover limit needs it; for any other
+        claim it changes nothing. Idempotent.
+
+        Raises:
+            InvalidArgument: a malformed token.
+            ClaimNotFound, StaleClaimToken, NotClaimOwner: as ``release``; nothing is written.
             BackendUnavailable: the claim store could not be reached.
         """
         ...

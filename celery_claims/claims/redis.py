@@ -84,6 +84,7 @@ _SCRIPTS = (
     "done",
     "ack_done",
     "read",
+    "mark_started",
 )
 
 #: Driver errors that mean "the store could not be reached", as opposed to a bug.
@@ -151,6 +152,8 @@ class StoredTask:
         takeovers: the claim's takeovers so far (counted only with a takeover limit).
         record: its completion record (``None``: no record), within its retention or not.
         record_until_ms: epoch ms the record is kept until (0 without a record).
+        start_unmarked: the claim was granted by a takeover under a takeover limit and its
+            holder has not marked its start: its death would not count toward the limit.
     """
 
     task_id: str
@@ -158,6 +161,7 @@ class StoredTask:
     takeovers: int
     record: AlreadyDone | GivenUp | None
     record_until_ms: int
+    start_unmarked: bool = False
 
 
 class RedisClaimManager:
@@ -419,7 +423,7 @@ class RedisClaimManager:
             self._scripts["release"],
             keys.release_keys,
             [token.task_id, token.owner, token.instance, done_ttl, self._now()],
-            partial(_release_result, token=token),
+            partial(_token_result, token=token),
         )
 
     def extend(self, queue_id: str, token: ClaimToken, additional_ms: int) -> ClaimToken:
@@ -578,6 +582,24 @@ class RedisClaimManager:
         if result.acquired or isinstance(result, GivenUp):
             return self._replicated(result)
         return result
+
+    def mark_started(self, token: ClaimToken) -> None:
+        """See :meth:`celery_claims.ClaimManager.mark_started`."""
+        self.execute(self.mark_started_call(token))
+
+    def mark_started_call(self, token: ClaimToken) -> ScriptCall[None]:
+        """The checked, unsent call of :meth:`mark_started`.
+
+        Raises:
+            InvalidArgument: a malformed token.
+        """
+        require_token(token)
+        return ScriptCall(
+            self._scripts["mark_started"],
+            self.keys(token.queue_id).entry_keys,
+            [token.task_id, token.owner, token.instance],
+            partial(_token_result, token=token),
+        )
 
     def complete(self, token: ClaimToken, done_ttl_ms: int) -> None:
         """See :meth:`celery_claims.ClaimManager.complete`."""
@@ -749,9 +771,9 @@ class _Walk:
 def _stored_tasks(reply: Any, queue_id: str, task_ids: list[str]) -> list[StoredTask]:
     stored = []
     for index, task_id in enumerate(task_ids):
-        instance, created, expires, takeovers, owner, kind, number, at, until, by = reply[
-            10 * index : 10 * index + 10
-        ]
+        instance, created, expires, takeovers, owner, unstarted, kind, number, at, until, by = (
+            reply[11 * index : 11 * index + 11]
+        )
         claim = None
         if int(instance):
             claim = ClaimToken(
@@ -763,11 +785,14 @@ def _stored_tasks(reply: Any, queue_id: str, task_ids: list[str]) -> list[Stored
             if not isinstance(found, (AlreadyDone, GivenUp)):
                 raise BackendError(f"read.lua answered {found!r}, not a record")
             record = found
-        stored.append(StoredTask(task_id, claim, int(takeovers), record, int(until)))
+        stored.append(
+            StoredTask(task_id, claim, int(takeovers), record, int(until), int(unstarted) == 1)
+        )
     return stored
 
 
-def _release_result(reply: Any, token: ClaimToken) -> None:
+def _token_result(reply: Any, token: ClaimToken) -> None:
+    """The reply ``{status}`` of a script that only checks and writes ``token``'s entry."""
     status = int(reply[0])
     if status != ClaimStatus.SUCCESS:
         raise token_error(status, token)

@@ -379,7 +379,9 @@ class ClaimGate:
         assert copy.token is not None
         # The request dict is what the pool hands to the tracer (pickled to a prefork child),
         # which builds ``self.request`` from it: this is how task code sees its claim.
-        request.request_dict[REQUEST_KEY] = TaskClaim.of(copy.token, copy.lease_ms)
+        request.request_dict[REQUEST_KEY] = TaskClaim.of(
+            copy.token, copy.lease_ms, mark_start=copy.mark_start
+        )
         # read now: `celery control time_limit` may have changed the task's since it arrived
         copy.time_limit_s = time_limit_of(request, request.task, self.runtime.time_limits)
         self._wrap(copy)

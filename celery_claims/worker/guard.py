@@ -10,7 +10,9 @@ wrapper runs in the process that runs the body:
 
 - before the body, if the lease handed to the pool may have run out (the time is past its
   ``expires_at`` minus a margin for clock skew), it renews the claim, one round trip: a copy
-  another copy owns raises :class:`StaleCopy` and never starts;
+  another copy owns raises :class:`StaleCopy` and never starts; a claim granted by a takeover
+  under ``claims_max_takeovers`` then has its start marked, sent without waiting for the
+  reply, so the holder counts toward the limit only if it dies after this point;
 - after the body returns, it records the completion (one round trip, which checks the claim
   too) before the tracer stores the result and sends chain callbacks, so a result backend
   failure after the body can never make the attempt run again, and a stale copy (another
@@ -217,6 +219,23 @@ class _Verifier:
         except ClaimError as exc:
             logger.debug("completion record not sent ahead of the ack: %s", exc)
 
+    def mark_started(self, claim: TaskClaim) -> None:
+        """Mark the claim's start in the store (see ``ClaimManager.mark_started``).
+
+        Sent without waiting, ahead of the body: the bytes are on their way even if the body
+        kills the process at once, as a poison task does. Best effort: a mark that is lost
+        only leaves this holder uncounted toward the takeover limit.
+        """
+        manager = self.manager()
+        try:
+            call = manager.mark_started_call(claim.token())
+            if ScriptSender.usable(manager.client):
+                self._sender.send(manager.client, call, _mark_reply)
+            else:
+                manager.execute(call)  # Sentinel, Cluster: a round trip of its own
+        except ClaimError as exc:
+            logger.debug("start of %s/%s not marked: %s", claim.queue_id, claim.task_id, exc)
+
     def record_done(self, claim: TaskClaim) -> Verdict:
         """Record the completion of the attempt (see :func:`~.recovery.record_done`).
 
@@ -257,6 +276,12 @@ def _record_reply(reply: Any, error: BaseException | None) -> None:
     """A record sent ahead of the ack that failed only means the worker's ack writes it."""
     if error is not None:
         logger.debug("a completion record sent ahead of the ack failed: %s", error)
+
+
+def _mark_reply(reply: Any, error: BaseException | None) -> None:
+    """A start mark that failed only leaves its holder uncounted toward the takeover limit."""
+    if error is not None:
+        logger.debug("a start mark failed: %s", error)
 
 
 def _surely_held(claim: TaskClaim) -> bool:
@@ -305,6 +330,8 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
         if not isinstance(claim, TaskClaim):
             return run(*args, **kwargs)
         _check(task, claim, verifier, "start", "before it started")
+        if claim.mark_start:
+            verifier.mark_started(claim)
         try:
             retval = run(*args, **kwargs)
         except (Ignore, Reject, Retry):

@@ -173,6 +173,9 @@ class Copy:
         key: its keyed claim (``claims_key``): ``queue_id`` and ``task_key`` are then the
             key's claim queue and field, and ``owner`` names the attempt (``keyed.py``).
         lane_key: its key in a keyed lane (``""`` when it is in none).
+        mark_start: its claim was granted by a takeover under ``claims_max_takeovers``: its
+            start is marked in the store (by its pool process, ``guard.py``; by this process
+            for an unguarded task), so that it counts toward the limit only once started.
     """
 
     request: Any
@@ -201,6 +204,7 @@ class Copy:
     overran: bool = False
     key: KeyedClaim | None = None
     lane_key: str = ""
+    mark_start: bool = False
 
     @property
     def claim_id(self) -> str:
@@ -480,6 +484,8 @@ class Lifecycle:
         assert result.token is not None
         took_over = isinstance(result, TookOver)
         copy.token = result.token
+        # a keyed claim is claimed without a takeover limit (gate.py): nothing to mark
+        copy.mark_start = took_over and self.settings.max_takeovers is not None and copy.key is None
         copy.renew_sent_at = time.monotonic()
         if self.settings.renew_interval_for(copy.lease_ms) < self.settings.renew_interval_ms:
             self.wake_keeper()
@@ -719,6 +725,18 @@ class Lifecycle:
         if copy.time_limit_s is not None:
             copy.renew_until = time.monotonic() + copy.time_limit_s
         self._move(copy, State.RUNNING, only_from=frozenset({State.QUEUED}))
+        if copy.mark_start and not copy.guarded and copy.token is not None:
+            self._mark_started(copy.token)
+
+    def _mark_started(self, token: ClaimToken) -> None:
+        """Mark an unguarded copy's start (its pool process cannot): best effort, as in
+        ``guard.py``, on the consumer's pipe where it can go there."""
+        try:
+            call = self.manager.mark_started_call(token)
+            if not self._send(call, lambda outcome: None):
+                self.manager.execute(call)
+        except ClaimError as exc:
+            logger.debug("Claim %s/%s: start not marked: %s", token.queue_id, token.task_id, exc)
 
     def succeeded(self, copy: Copy, celery_handler: Callable[[], object]) -> None:
         """The body returned and the result was stored (``on_success``)."""

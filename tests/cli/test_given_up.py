@@ -21,9 +21,11 @@ def given_up(redis_server: RedisServer, key_prefix: str) -> Iterator[tuple[str, 
     manager = RedisClaimManager(url=redis_server.url, prefix=key_prefix)
     claim_id = f"{TASK}:0:0"
     try:
-        # leases of 0 ms run out at once: each holder "crashed" as soon as it claimed
+        # leases of 0 ms run out at once: each holder "crashed" as soon as it started the task
         manager.claim_unless_done(QUEUE, claim_id, "host-a/11/x", 0, max_takeovers=1)
-        manager.claim_unless_done(QUEUE, claim_id, "host-b/22/y", 0, max_takeovers=1)
+        took_over = manager.claim_unless_done(QUEUE, claim_id, "host-b/22/y", 0, max_takeovers=1)
+        assert took_over.token is not None
+        manager.mark_started(took_over.token)
         result = manager.claim_unless_done(QUEUE, claim_id, "host-c/33/z", 0, max_takeovers=1)
         assert isinstance(result, GivenUp)
         yield key_prefix, result

@@ -32,7 +32,14 @@ def redis_snapshot(manager: RedisClaimManager) -> dict[bytes, bytes]:
 def memory_snapshot(manager: MemoryClaimManager) -> object:
     queues = manager._queues  # the specification's own state, read for comparison only
     return {
-        queue_id: (dict(q.claims), dict(q.done), dict(q.takeovers), q.last_instance, q.stats)
+        queue_id: (
+            dict(q.claims),
+            dict(q.done),
+            dict(q.takeovers),
+            set(q.unstarted),
+            q.last_instance,
+            q.stats,
+        )
         for queue_id, q in queues.items()
     }
 

@@ -130,6 +130,7 @@ def test_malformed_tokens_are_rejected_before_any_lookup(seeded: Backend, bad: A
     refused(seeded, lambda: m.release(bad), InvalidArgument, "token")
     refused(seeded, lambda: m.extend(Q, bad, 1_000), InvalidArgument, "token")
     refused(seeded, lambda: m.complete(bad, 1_000), InvalidArgument, "token")
+    refused(seeded, lambda: m.mark_started(bad), InvalidArgument, "token")
     refused(seeded, lambda: m.renew(Q, [bad], 1_000), InvalidArgument, "token")
 
 

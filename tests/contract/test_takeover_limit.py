@@ -3,12 +3,15 @@
 A poison task crashes every worker that runs it: its claim is never released, the lease
 expires, the next copy takes it over and crashes too. ``claim_unless_done(...,
 max_takeovers=n)`` counts the takeovers of each task and refuses the one that would exceed
-``n`` with ``GivenUp``, leaving a record that answers every later copy the same way.
+``n`` with ``GivenUp``, leaving a record that answers every later copy the same way. Counted
+are the holders that may have died of the task: the first claim's, and a takeover's holder
+that marked its start (``mark_started``); one that died before it started the task is not.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -19,6 +22,8 @@ from celery_claims import (
     ClaimNotFound,
     ClaimStats,
     GivenUp,
+    NotClaimOwner,
+    StaleClaimToken,
     Success,
     TookOver,
 )
@@ -31,16 +36,24 @@ KEEP = 60_000
 
 
 def crash_and_take_over(
-    manager: ClaimManager, clock: ManualClock, owners: list[str], limit: int | None
+    manager: ClaimManager,
+    clock: ManualClock,
+    owners: list[str],
+    limit: int | None,
+    *,
+    started: bool = True,
 ) -> list[object]:
-    """Each owner claims the task in turn, and each one's lease runs out (its worker died)."""
+    """Each owner claims the task in turn, and each one's lease runs out (its worker died),
+    after it started the task (``started``, as a poison task's holders do) or before."""
     results: list[object] = []
     for owner in owners:
-        results.append(
-            manager.claim_unless_done(
-                Q, "poison", owner, LEASE, max_takeovers=limit, given_up_ttl_ms=KEEP
-            )
+        result = manager.claim_unless_done(
+            Q, "poison", owner, LEASE, max_takeovers=limit, given_up_ttl_ms=KEEP
         )
+        results.append(result)
+        token = getattr(result, "token", None)
+        if started and token is not None:
+            manager.mark_started(token)
         clock.advance(LEASE)
     return results
 
@@ -256,3 +269,98 @@ def test_racing_copies_of_an_expired_task_yield_one_takeover_under_a_limit(
     # Then exactly one took it over and counted once; the others see its live claim
     assert sorted(type(r).__name__ for r in results) == ["AlreadyClaimed"] * 7 + ["TookOver"]
     assert takeover_counts(backend, Q) == {"poison": 1}
+
+
+def test_holders_that_died_before_starting_a_taken_over_task_are_not_counted(
+    backend: Backend,
+) -> None:
+    manager, clock = backend.manager, backend.clock
+    # Given a task whose first holder died, then four takeover holders that each died before
+    # they started it (workers killed with the task still in their prefetch), under a limit of 1
+    first, *took_over = crash_and_take_over(
+        manager, clock, ["w1", "w2", "w3", "w4", "w5"], limit=1, started=False
+    )
+
+    # Then only the first holder's death counted: every copy took the task over, none gave
+    # it up, and the next copy still gets it
+    assert isinstance(first, Success)
+    assert [type(r) for r in took_over] == [TookOver] * 4
+    assert takeover_counts(backend, Q) == {"poison": 1}
+    assert manager.done_record(Q, "poison") is None
+    assert isinstance(
+        manager.claim_unless_done(Q, "poison", "w6", LEASE, max_takeovers=1), TookOver
+    )
+    assert manager.stats() == ClaimStats(attempts=6, successes=1, takeovers=5)
+
+
+def test_a_takeover_holder_that_marked_its_start_counts_when_it_dies(backend: Backend) -> None:
+    manager, clock = backend.manager, backend.clock
+    # Given a task taken over once (the first holder died), whose new holder started it
+    manager.claim_unless_done(Q, "poison", "w1", LEASE, max_takeovers=1)
+    clock.advance(LEASE)
+    took_over = manager.claim_unless_done(Q, "poison", "w2", LEASE, max_takeovers=1)
+    assert isinstance(took_over, TookOver)
+    manager.mark_started(took_over.token)
+    manager.mark_started(took_over.token)  # idempotent
+
+    # When it dies too, the next copy would be its second counted takeover: given up
+    clock.advance(LEASE)
+    result = manager.claim_unless_done(Q, "poison", "w3", LEASE, max_takeovers=1)
+
+    assert result == GivenUp(previous_owner="w2", takeovers=1, given_up_at=clock())
+
+
+def test_a_holder_re_claiming_its_own_takeover_keeps_it_unstarted(backend: Backend) -> None:
+    manager, clock = backend.manager, backend.clock
+    # Given a takeover holder that re-claims its own expired claim (a store that lost the
+    # renewal, say) and then dies before it started the task
+    manager.claim_unless_done(Q, "poison", "w1", LEASE, max_takeovers=1)
+    clock.advance(LEASE)
+    manager.claim_unless_done(Q, "poison", "w2", LEASE, max_takeovers=1)
+    clock.advance(LEASE)
+    assert isinstance(manager.claim_unless_done(Q, "poison", "w2", LEASE, max_takeovers=1), Success)
+    clock.advance(LEASE)
+
+    # Then its death is not counted either
+    assert isinstance(
+        manager.claim_unless_done(Q, "poison", "w3", LEASE, max_takeovers=1), TookOver
+    )
+    assert takeover_counts(backend, Q) == {"poison": 1}
+
+
+def test_marking_the_start_of_a_claim_not_granted_by_a_takeover_changes_nothing(
+    backend: Backend,
+) -> None:
+    manager = backend.manager
+    first = manager.claim_unless_done(Q, "poison", "w1", LEASE, max_takeovers=1)
+    assert isinstance(first, Success)
+    before = backend.snapshot()
+
+    manager.mark_started(first.token)
+
+    assert backend.snapshot() == before
+
+
+def test_only_the_holder_of_the_live_claim_can_mark_its_start(backend: Backend) -> None:
+    manager, clock = backend.manager, backend.clock
+    # Given a task taken over by w2 from w1
+    old = manager.claim_unless_done(Q, "poison", "w1", LEASE, max_takeovers=1).token
+    clock.advance(LEASE)
+    took_over = manager.claim_unless_done(Q, "poison", "w2", LEASE, max_takeovers=1)
+    assert old is not None
+    assert isinstance(took_over, TookOver)
+    before = backend.snapshot()
+
+    # Then the stale holder's mark, and a mark of a task without a claim, are refused
+    with pytest.raises(StaleClaimToken):
+        manager.mark_started(old)
+    with pytest.raises(NotClaimOwner):
+        manager.mark_started(replace(took_over.token, owner="w9"))
+    with pytest.raises(ClaimNotFound):
+        manager.mark_started(replace(took_over.token, task_id="other"))
+    assert backend.snapshot() == before
+    # and w2's claim still counts as not started: its death is not counted
+    clock.advance(LEASE)
+    assert isinstance(
+        manager.claim_unless_done(Q, "poison", "w3", LEASE, max_takeovers=1), TookOver
+    )

@@ -107,6 +107,11 @@ class ClaimsAgreeWithTheSpecification(RuleBasedStateMachine):
         self.both("complete", data.draw(st.sampled_from(self.tokens)), ttl)
 
     @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def mark_started(self, data: st.DataObject) -> None:
+        self.both("mark_started", data.draw(st.sampled_from(self.tokens)))
+
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data(), queue=QUEUES, extra=MS)
     def extend(self, data: st.DataObject, queue: str, extra: int) -> None:
         self.both("extend", queue, data.draw(st.sampled_from(self.tokens)), extra)

@@ -30,15 +30,17 @@ def test_counting_and_giving_up_are_each_one_round_trip(redis_server: RedisServe
     manager.claim_unless_done(Q, "warm-up", "w", LEASE, max_takeovers=0)
     CountingConnection.sent = 0
 
-    # When a task is claimed, taken over (counted), and given up
+    # When a task is claimed, taken over (counted) by a holder that starts it, and given up
     results = []
     for owner in ("w1", "w2", "w3"):
         results.append(manager.claim_unless_done(Q, "poison", owner, LEASE, max_takeovers=1))
+        if isinstance(results[-1], TookOver):
+            manager.mark_started(results[-1].token)
         clock.advance(LEASE)
 
-    # Then each claim was one request, whatever it decided
+    # Then each claim, and the start mark, was one request, whatever it decided
     assert [type(r) for r in results] == [Success, TookOver, GivenUp]
-    assert CountingConnection.sent == 3
+    assert CountingConnection.sent == 4
 
 
 def test_a_completion_record_of_an_earlier_release_still_parses(

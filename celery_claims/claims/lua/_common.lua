@@ -110,25 +110,32 @@ local function own(owners_key, item)
 end
 
 -- --- claim entries: "instance,created_at,lease,takeovers,owner id,owner tail" --------------
--- (base 36; lease = expires_at - created_at; takeovers = the task's takeovers so far, counted
--- only with a takeover limit). The earlier format "instance:created_at:expires_at:owner"
--- (decimal, full owner) is still read; its takeover count, kept in another hash, is not.
+-- (base 36; lease = expires_at - created_at; takeovers = the task's counted takeovers so far,
+-- counted only with a takeover limit, followed by '?' while the claim is a takeover whose
+-- holder has not marked its start: see claim.lua). The earlier format
+-- "instance:created_at:expires_at:owner" (decimal, full owner) is still read; its takeover
+-- count, kept in another hash, is not.
 
 local function parse_entry(raw)
-  local i, c, l, t, o, tail = string.match(raw, '^(%w+),(%-?%w+),(%w+),(%w+),(%w+),(.*)$')
+  local i, c, l, t, u, o, tail = string.match(
+    raw, '^(%w+),(%-?%w+),(%w+),(%w+)(%??),(%w+),(.*)$')
   if i then
     local created = n36(c)
     return {instance = n36(i), created = created, expires = created + n36(l),
-            takeovers = n36(t), oid = o, tail = tail}
+            takeovers = n36(t), unstarted = u == '?', oid = o, tail = tail}
   end
   local li, lc, le, lo = string.match(raw, '^(%d+):(%d+):(%d+):(.*)$')
   return {instance = tonumber(li), created = tonumber(lc), expires = tonumber(le),
-          takeovers = 0, owner = lo}
+          takeovers = 0, unstarted = false, owner = lo}
 end
 
 local function format_entry(e)
+  local unstarted = ''
+  if e.unstarted then
+    unstarted = '?'
+  end
   return b36(e.instance) .. ',' .. b36(e.created) .. ',' .. b36(e.expires - e.created) .. ','
-    .. b36(e.takeovers) .. ',' .. e.oid .. ',' .. e.tail
+    .. b36(e.takeovers) .. unstarted .. ',' .. e.oid .. ',' .. e.tail
 end
 
 -- --- completion records: "instance,done_at,retention,owner id,owner tail" (done, 7) or ------

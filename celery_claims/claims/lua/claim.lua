@@ -10,7 +10,11 @@
 -- ARGV[3] = lease in ms
 -- ARGV[4] = now in epoch ms, or '' for the server clock
 -- ARGV[5] = '1': answer DONE / GIVEN_UP when a live record exists; '0': ignore records
--- ARGV[6] = the most takeovers granted to the task, or '' for no limit (and no counting)
+-- ARGV[6] = the most takeovers granted to the task, or '' for no limit (and no counting).
+--           Counted: the takeover of the task's first claim, and of a takeover's claim whose
+--           holder marked its start (mark_started.lua); a holder that died between its
+--           takeover and its start (a worker killed with the task still in its prefetch) is
+--           not, so an innocent task is never given up for its holders' deaths alone.
 -- ARGV[7] = how long a given-up record is kept, in ms (read only when giving up)
 -- returns: {1 SUCCESS | 3 TOOK_OVER, instance, created_at, expires_at, previous owner or ''}
 --          {2 ALREADY_CLAIMED, holder, expires_at}
@@ -57,11 +61,18 @@ end
 
 -- the task's takeovers so far live in its entry: they go when the entry goes
 local takeovers = 0
+local unstarted = false
 if e then
   takeovers = e.takeovers
+  -- the same owner re-claiming keeps its mark; another owner's claim starts unmarked
+  unstarted = previous == '' and e.unstarted
 end
 if previous ~= '' and ARGV[6] ~= '' then
-  if takeovers >= tonumber(ARGV[6]) then
+  -- the new holder's claim counts once its start is marked
+  unstarted = true
+  if e.unstarted then
+    -- the expired holder never started the task: its death is not the task's doing
+  elseif takeovers >= tonumber(ARGV[6]) then
     -- one takeover too many: nobody gets the claim; the expired entry and its count give
     -- way to a given-up record, which answers every later copy like a completion record
     redis.call('HDEL', KEYS[1], ARGV[1])
@@ -74,13 +85,14 @@ if previous ~= '' and ARGV[6] ~= '' then
       owner_unref(KEYS[5], e.oid)
     end
     return {8, takeovers, now, previous}
+  else
+    takeovers = takeovers + 1
   end
-  takeovers = takeovers + 1
 end
 
 local instance = redis.call('INCR', KEYS[2])
 local entry = {instance = instance, created = now, expires = now + tonumber(ARGV[3]),
-               takeovers = takeovers}
+               takeovers = takeovers, unstarted = unstarted}
 if e and previous == '' and e.oid then
   -- the same owner re-claims: its entry's reference is reused
   entry.oid, entry.tail = e.oid, e.tail
