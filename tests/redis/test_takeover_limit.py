@@ -27,7 +27,9 @@ def test_counting_and_giving_up_are_each_one_round_trip(redis_server: RedisServe
     manager = RedisClaimManager(
         client=redis.Redis(connection_pool=pool), prefix="rtt-t", clock=clock
     )
-    manager.claim_unless_done(Q, "warm-up", "w", LEASE, max_takeovers=0)
+    warm_up = manager.claim_unless_done(Q, "warm-up", "w", LEASE, max_takeovers=0)
+    assert warm_up.token is not None
+    manager.mark_started(warm_up.token)
     CountingConnection.sent = 0
 
     # When a task is claimed, taken over (counted) by a holder that starts it, and given up
