@@ -829,9 +829,12 @@ SETTINGS: tuple[Setting, ...] = (
         DEFAULT_MAX_TAKEOVERS,
         "Takeovers of one attempt (its holder died with the lease) before the task is given "
         "up as poison: the next copy is acked without running and `celery claims inspect` "
-        "shows it as given up. `None` (or `-1` on the command line) never gives up. With the "
-        "Redis broker, the beat cleanup removing a dead holder's expired claim before the "
-        "message comes back resets the count (docs/semantics.md).",
+        "shows it as given up. Counted are the holders that may have died of the task: the "
+        "first one, and a takeover's holder once its pool process marked the start; one that "
+        "died with the task still waiting in its prefetch is not. `None` (or `-1` on the "
+        "command line) never gives up. With the Redis broker, the beat cleanup removing a "
+        "dead holder's expired claim before the message comes back resets the count "
+        "(docs/semantics.md).",
         nullable=True,
         option=int,
         option_help="Takeovers of one attempt before it is given up (-1: never).",
