@@ -140,7 +140,7 @@ class ClaimGate:
             # (recorded as failed), never claimed and left waiting
             lane_key = lanes.key_of(queue_id, request) if lanes is not None else ""
         except KeyRefused as exc:
-            self.life.refuse(request, exc)
+            self.life.refuse(request, exc, queue_id, task_key)
             return None
         copy = self.life.receive(
             request,

@@ -614,10 +614,11 @@ class Lifecycle:
             holder_task_id=_holder_task_id(holder),
         )
 
-    def refuse(self, request: Any, error: KeyRefused) -> None:
+    def refuse(self, request: Any, error: KeyRefused, queue_id: str, task_key: str) -> None:
         """A keyed task's message whose key cannot be made: never run, recorded as failed
         with ``error`` (its result, ``task_failure``, the ``task-failed`` event), then acked,
-        as Celery fails a task whose arguments do not bind. Never a claim, never a copy.
+        as Celery fails a task whose arguments do not bind. Never a claim, never a copy;
+        its publish journal entry (``queue_id``, ``task_key``: the attempt's) is cleared.
         """
         self.counters.incr("refused_key")
         logger.error(
@@ -637,6 +638,9 @@ class Lifecycle:
             return
         request.acknowledge()
         task_ready(request)
+        # no record says it is over: without its entry cleared, journal recovery would
+        # publish it again (to be refused again), up to claims_journal_max_republish times
+        self.on_settled(queue_id, task_key, False)
         signals.task_skipped.send(
             sender=request.task,
             request=request,

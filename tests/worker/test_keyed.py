@@ -15,6 +15,7 @@ import pytest
 import redis
 from celery.exceptions import TaskRevokedError
 
+from celery_claims.claims.journal import RedisJournal
 from celery_claims.observe import Journal
 from tests.lanes.intervals import max_overlap
 from tests.servers import RedisServer
@@ -257,7 +258,9 @@ def test_a_message_whose_key_cannot_be_made_is_recorded_failed_and_acked(
     # Given a worker with a task keyed on (tenant, kind)
     url, queue = private_redis.url, "keyed-bad"
     start_fleet(fleet, url, queue, workers=1)
-    client = fleet.client(url, url, queue)
+    # a producer that journals what it publishes (a refused message must not stay journaled:
+    # journal recovery would publish it again and again)
+    client = fleet.client(url, url, queue, plugin=True)
 
     # When messages arrive without the tenant, with a dict tenant, and with a huge one
     missing = client.send_task("keyed.export", (), {"kind": "csv"}, task_id="bad-missing")
@@ -281,3 +284,11 @@ def test_a_message_whose_key_cannot_be_made_is_recorded_failed_and_acked(
     plain = fleet.redis(url)
     wait_for(lambda: plain.hlen("unacked") == 0, timeout=10, what="no unacked delivery")
     assert plain.llen(queue) == 0
+    # and no journal entry of a refused message is left for recovery to publish again
+    journal = RedisJournal(client=plain)
+    refused = {f"{r.id}:0:0" for r in (missing, unhashable, huge)}
+    wait_for(
+        lambda: not refused & set(journal.entries(queue)),
+        timeout=10,
+        what="the refused messages' journal entries cleared",
+    )
