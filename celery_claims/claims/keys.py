@@ -103,10 +103,11 @@ class QueueKeys:
         Numbers in base 36 (``lease`` = ``expires_at - created_at``; ``takeovers``: the task's
         counted takeovers so far, counted only with a takeover limit, so the count costs no
         memory of its own and goes with the entry; followed by ``?`` while the claim is a
-        takeover's whose holder has not marked its start, see ``mark_started.lua``). The owner is split after its last ``/`` or ``.``:
-        the head (one worker process, ``hostname/pid/nonce.``) is written once in
-        :attr:`owners`, the entry keeps its id and the tail (``0``: no head). The earlier
-        format ``instance:created_at:expires_at:owner`` (decimal) is still read.
+        takeover's whose holder has not marked its start, see ``mark_started.lua``). The
+        owner is split after its last ``/`` or ``.``: the head (one worker process,
+        ``hostname/pid/nonce.``) is written once in :attr:`owners`, the entry keeps its id and
+        the tail (``0``: no head). The earlier format ``instance:created_at:expires_at:owner``
+        (decimal) is still read.
         """
         return f"{self.tag}:c"
 
