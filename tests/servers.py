@@ -373,6 +373,19 @@ class RedisSentinels:
         ``index`` knows of the master."""
         return len(self.sentinel(index).execute_command("SENTINEL", what, self.MASTER))
 
+    def _seen(self) -> str:
+        """What each Sentinel knows (for a start that did not settle)."""
+        seen = []
+        for i in range(len(self.procs)):
+            try:
+                seen.append(
+                    f"sentinel {i}: {self._known(i, 'SENTINELS')} sentinels, "
+                    f"{self._known(i, 'SLAVES')} replicas"
+                )
+            except redis.exceptions.RedisError as exc:
+                seen.append(f"sentinel {i}: {exc!r}")
+        return "; ".join(seen)
+
     def start(self) -> RedisSentinels:
         self.master.start()
         self.replica.start()
@@ -394,8 +407,15 @@ class RedisSentinels:
                     stderr=subprocess.DEVNULL,
                 )
             )
-        deadline = time.monotonic() + 30
+        # Sentinels find each other through the master's hello channel every 2 s and the
+        # replica through INFO every 10 s: seconds on a quiet machine, more on a loaded one
+        deadline = time.monotonic() + 60
         while True:
+            exited = [i for i, proc in enumerate(self.procs) if proc.poll() is not None]
+            if exited:
+                log = self.dir / f"sentinel-{self.sentinel_ports[exited[0]]}.log"
+                tail = log.read_text()[-2000:] if log.exists() else "(no log)"
+                raise RuntimeError(f"Sentinel {exited[0]} exited at start:\n{tail}")
             try:
                 # every Sentinel knows the master, the replica and the other Sentinels (a
                 # failover needs them), and the replica is in sync
@@ -413,7 +433,8 @@ class RedisSentinels:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    "the Sentinels did not see the master, the replica and each other"
+                    "the Sentinels did not see the master, the replica and each other in 60 s: "
+                    + self._seen()
                 )
             time.sleep(0.1)
 

@@ -46,6 +46,7 @@ __all__ = [
     "restore_sweep",
     "message_state",
     "requeued",
+    "before_gone",
     "result_ready",
     "shares_delivery_tags",
     "store_is_broker",
@@ -501,6 +502,45 @@ def message_state(request: Any) -> str | None:
     ``REJECTED``, ``REQUEUED``); None before (still ``RECEIVED``), or unknown."""
     state = getattr(getattr(request, "message", None), "_state", None)
     return state if state in ("ACK", "REJECTED", "REQUEUED") else None
+
+
+def before_gone(request: Any, fn: Callable[[], object]) -> bool:
+    """Run ``fn()`` once, just before Celery acks the request's message or rejects it for
+    good (not when it requeues it); False where the request cannot be hooked (nothing done).
+
+    Wraps the request's ``_on_ack`` and ``_on_reject``, the callables ``Request.acknowledge``
+    and ``Request.reject`` call (``message.ack_log_error`` / ``reject_log_error``, through
+    ``consumer.call_soon_ack`` in Celery 5.7); read in Celery 5.3 to 5.7. Celery's own call
+    always follows, whatever ``fn`` raises.
+    """
+    on_ack = getattr(request, "_on_ack", None)
+    on_reject = getattr(request, "_on_reject", None)
+    if not callable(on_ack) or not callable(on_reject):
+        return False
+    pending = [fn]
+
+    def run_once() -> None:
+        if pending:
+            try:
+                pending.pop()()
+            except Exception:
+                logger.exception("celery-claims: a callback before the ack failed")
+
+    def ack(*args: Any, **kwargs: Any) -> Any:
+        run_once()
+        return on_ack(*args, **kwargs)
+
+    def reject(logger_: Any, errors: Any, requeue: bool = False, *args: Any, **kw: Any) -> Any:
+        if not requeue:
+            run_once()
+        return on_reject(logger_, errors, requeue, *args, **kw)
+
+    try:
+        request._on_ack = ack
+        request._on_reject = reject
+    except AttributeError:
+        return False
+    return True
 
 
 def requeued(request: Any) -> bool:

@@ -50,6 +50,7 @@ from celery_claims.worker.compat import (
     BrokerRide,
     Delivery,
     LoopWaker,
+    before_gone,
     fail_unrun,
     forget_delivery,
     message_state,
@@ -544,8 +545,9 @@ class Lifecycle:
             _skip_detail(record),
         )
         # only the message goes: the result the first run stored stays as it is
-        request.acknowledge()
+        # the journal entry first (see _settle_before_gone), then the ack
         self.on_settled(copy.queue_id, copy.task_key, reason in ("done", "given_up"))
+        request.acknowledge()
         task_ready(request)
         signals.task_skipped.send(
             sender=request.task,
@@ -636,11 +638,12 @@ class Lifecycle:
                 "Refused %s[%s]: failure not recorded: %r", request.name, request.id, exc
             )
             return
+        # no record says it is over: without its entry cleared, journal recovery would
+        # publish it again (to be refused again), up to claims_journal_max_republish times;
+        # cleared before the ack (see _settle_before_gone)
+        self.on_settled(queue_id, task_key, False)
         request.acknowledge()
         task_ready(request)
-        # no record says it is over: without its entry cleared, journal recovery would
-        # publish it again (to be refused again), up to claims_journal_max_republish times
-        self.on_settled(queue_id, task_key, False)
         signals.task_skipped.send(
             sender=request.task,
             request=request,
@@ -854,8 +857,7 @@ class Lifecycle:
             return
         why = "rejected" if isinstance(exc, Reject) else f"failed ({type(exc).__name__})"
         self._release(copy, why)
-        celery_handler()
-        self._settled_unless_requeued(copy)
+        self._settle_before_gone(copy, celery_handler)
 
     def timed_out(self, copy: Copy, soft: bool, celery_handler: Callable[[], object]) -> None:
         """A time limit fired (``on_timeout``); a hard one releases the claim."""
@@ -864,9 +866,28 @@ class Lifecycle:
             return
         if copy.state in (State.QUEUED, State.RUNNING):
             self._release(copy, "hard time limit")
-        self._repeat(copy, celery_handler)
         if copy.state is State.RELEASED:
-            self._settled_unless_requeued(copy)
+            self._settle_before_gone(copy, celery_handler)
+        else:
+            self._repeat(copy, celery_handler)
+
+    def _settle_before_gone(self, copy: Copy, celery_handler: Callable[[], object]) -> None:
+        """Run Celery's handler for an attempt that ended without a record; its journal entry
+        is cleared just before the handler's ack or reject takes the message for good (not
+        if it requeues it: ``Reject(requeue=True)``, ``task_reject_on_worker_lost``).
+
+        Before, not after: a worker killed between the two then leaves the message unacked,
+        for the broker to deliver again (at least once, as Celery promises a task that did
+        not finish), where the other order left an acked message's entry for journal
+        recovery to publish again. Where the request cannot be hooked, the entry is cleared
+        after the handler, once the message is known gone.
+        """
+        settle = functools.partial(self.on_settled, copy.queue_id, copy.task_key, False)
+        if before_gone(copy.request, settle):
+            celery_handler()
+            return
+        celery_handler()
+        self._settled_unless_requeued(copy)
 
     def _settled_unless_requeued(self, copy: Copy) -> None:
         """An ended attempt's message is gone unless Celery's handler requeued it

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 
 import pytest
 
+from celery_claims.claims.journal import RedisJournal
 from tests.servers import RedisServer
 from tests.worker.helpers import FAST_JOURNAL, unique, wait_for
 from tests.worker.processes import Fleet, events_of, executions, unacked_task_ids
@@ -96,3 +98,50 @@ def test_a_failed_tasks_journal_entry_is_cleared_by_its_prefork_worker(
         what="the failed task's journal entry to go",
     )
     assert len(events_of(executions(broker, queue), "start", "failed-live")) == 1
+
+
+def test_a_failed_tasks_journal_entry_is_cleared_before_its_message_is_acked(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # The first test above SIGKILLs the worker right after the ack: it failed in a loaded CI
+    # rehearsal (the task ran twice), because the entry was cleared only after the ack, and a
+    # worker killed in between left it for recovery. Cleared first, a worker killed between
+    # the two leaves the message unacked instead: the broker's own redelivery, at least once.
+    # Given a prefork worker and a claims-aware producer, every command the server gets seen
+    broker, queue = private_redis.url, unique("q")
+    env = {"CLAIMS_TEST_CONF": json.dumps(JOURNAL)}
+    fleet.worker(
+        "a", broker=broker, backend=broker, queue=queue, concurrency=1, app=APP, env=env
+    ).wait_ready()
+    client = fleet.client(broker, broker, queue, plugin=True, conf=JOURNAL)
+    redis = fleet.redis(broker)
+    forget_sha = RedisJournal(client=redis).scripts["journal_forget"].sha
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        with fleet.redis(broker).monitor() as monitor:
+            while not stop.is_set():
+                seen.append(monitor.next_command()["command"])
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    redis.ping()
+    wait_for(lambda: seen, timeout=10, what="MONITOR to see a command")
+    try:
+        # When a task fails and is acked
+        client.send_task("defects.fail", task_id="failed-order")
+        wait_for(
+            lambda: not redis.keys("claims:{*}:j") and not redis.hlen("unacked"),
+            timeout=30,
+            what="the failed task acked and its entry cleared",
+        )
+    finally:
+        stop.set()
+        redis.ping()  # one more command, so the watcher's read returns
+        watcher.join(timeout=10)
+
+    # Then the entry's removal reached the server before the ack did
+    forget = next(i for i, c in enumerate(seen) if c.startswith(f"EVALSHA {forget_sha}"))
+    ack = next(i for i, c in enumerate(seen) if c.startswith("HDEL unacked "))
+    assert forget < ack, seen[min(forget, ack) : max(forget, ack) + 1]
