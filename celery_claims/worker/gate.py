@@ -288,7 +288,9 @@ class ClaimGate:
             pipe = self.pipe()
             if pipe is not None:
                 try:
-                    pipe.submit(call, functools.partial(self._claimed, copy))
+                    # sent when the loop is about to poll, in one script call with the other
+                    # claims and records of the queue that pass (or passes, under load) made
+                    pipe.defer(call, functools.partial(self._claimed, copy))
                     return
                 except ClaimError as exc:  # could not connect: nothing was sent
                     outcome = exc
@@ -308,7 +310,7 @@ class ClaimGate:
         if pipe is None:
             return False
         try:
-            pipe.submit(call, callback)
+            pipe.defer(call, callback)
         except ClaimError:  # could not connect: nothing was sent
             return False
         return True

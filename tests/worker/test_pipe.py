@@ -698,6 +698,55 @@ def test_a_worker_sends_one_claim_and_one_completion_per_message_and_nothing_els
     assert claims.active_claims(queue) == 0
 
 
+#: Messages of the burst below, and the worker's prefetch window (multiplier x 1 process).
+BURST = 60
+PREFETCH = 8
+
+
+def test_a_burst_costs_the_store_at_most_one_script_call_per_message(
+    broker: str, redis_server: RedisServer, private_redis: RedisServer, queue: str, key_prefix: str
+) -> None:
+    # Given a worker whose claim store is a server of its own, with a prefetch window of 8,
+    # and a task without a result (its record goes on the consumer's pipe, before the ack)
+    app = separate_store_app(
+        broker, redis_server, private_redis, queue, key_prefix, worker_prefetch_multiplier=PREFETCH
+    )
+    runs: list[int] = []
+
+    @app.task(shared=False, name="t.note", ignore_result=True)
+    def note(i: int) -> None:
+        runs.append(i)
+
+    observer = private_redis.client()
+    try:
+        with in_process_worker(app, **worker_options()) as worker:
+            counters = worker.claims.counters
+            note.delay(0)  # connects, registers the queue
+            wait_for(lambda: counters.get("completed") == 1, timeout=30, what="the first task")
+            before = command_calls(observer)
+            # When a burst of messages is sent at once
+            for i in range(1, BURST + 1):
+                note.delay(i)
+            wait_for(
+                lambda: counters.get("completed") == BURST + 1,
+                timeout=60,
+                what="every completion",
+            )
+            after = command_calls(observer)
+    finally:
+        close_app(app)
+    assert sorted(runs) == list(range(BURST + 1))
+    # Then the worker claimed and recorded every message in at most one script call per
+    # message (claims and records of messages delivered together share a claim_many call);
+    # the rest of the EVALSHAs are the producer's publish journal writes, one per message
+    worker_calls = after["evalsha"] - before.get("evalsha", 0) - BURST
+    assert worker_calls <= BURST
+    claims = RedisClaimManager(client=observer, prefix=key_prefix)
+    stats = claims.stats()
+    assert (stats.successes, stats.acks) == (BURST + 1, BURST + 1)
+    assert claims.active_claims(queue) == 0
+
+
 def test_the_consumer_goes_on_with_other_messages_while_a_claim_is_on_its_way(
     broker: str, redis_server: RedisServer, private_redis: RedisServer, queue: str, key_prefix: str
 ) -> None:
