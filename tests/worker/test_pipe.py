@@ -265,6 +265,137 @@ def test_a_callback_that_raises_does_not_stop_the_others(
     assert "a reply callback failed" in caplog.text
 
 
+# --- deferred calls: claim_many ---------------------------------------------------------------
+
+
+def script_calls(observer: redis.Redis) -> int:
+    return command_calls(observer).get("evalsha", 0)
+
+
+def given_a_queue(manager: RedisClaimManager, queue: str) -> list[Any]:
+    """A task held by another worker, a finished one, one claimed to record; and calls on them."""
+    manager.claim(queue, "held", "worker-2/1/x", LEASE_MS)
+    manager.complete(manager.claim(queue, "fin", OWNER, LEASE_MS).token, DONE_TTL_MS)
+    own = manager.claim(queue, "own", OWNER, LEASE_MS).token
+    return [
+        manager.claim_call(queue, "t1", OWNER, LEASE_MS),
+        manager.claim_call(queue, "t1", "worker-3/1/y", LEASE_MS),  # held by the first
+        manager.claim_call(queue, "held", OWNER, LEASE_MS),
+        manager.record_call(own, DONE_TTL_MS),
+        manager.record_call(own, DONE_TTL_MS),  # found written by the same token
+        manager.claim_call(queue, "fin", OWNER, LEASE_MS),
+    ]
+
+
+def test_deferred_calls_of_a_queue_go_in_one_script_call_each_with_its_own_reply(
+    pipe: StorePipe, manager: RedisClaimManager, redis_server: RedisServer, hub: Hub
+) -> None:
+    # Given the same calls made one by one on another queue
+    observer = redis_server.client()
+    alone = [manager.execute(call) for call in given_a_queue(manager, "r")]
+    calls = given_a_queue(manager, "q")
+    # When the calls are deferred in one pass of the event loop
+    outcomes: dict[int, Any] = {}
+    before = script_calls(observer)
+    for i, call in enumerate(calls):
+        pipe.defer(call, lambda outcome, i=i: outcomes.__setitem__(i, outcome))
+    assert pipe.waiting == 6
+    run_loop(hub, lambda: len(outcomes) == 6, "six replies")
+    # Then they went in one script call, and each got the reply it gets alone
+    assert script_calls(observer) - before == 1
+    got = [outcomes[i] for i in range(6)]
+    assert [type(result) for result in got] == [type(result) for result in alone]
+    assert [AlreadyClaimed, AlreadyClaimed, bool, bool, AlreadyDone] == [
+        type(result) for result in got[1:]
+    ]
+    assert (got[1].owner, got[2].owner) == (OWNER, "worker-2/1/x")
+    assert (got[3], got[4]) == (True, False) == (alone[3], alone[4])
+    assert manager.get_token("q", "t1", OWNER) == got[0].token
+    assert manager.stats().attempts == 2 * 3 + 2 * 4  # setup claims, then four claims each
+    assert pipe.waiting == 0
+
+
+def test_deferred_calls_wait_for_the_replies_awaited_and_then_go_together(
+    private_redis: RedisServer, key_prefix: str, hub: Hub
+) -> None:
+    assert private_redis.proc is not None
+    observer = private_redis.client()
+    with (
+        store_manager(private_redis.url, key_prefix, timeout_s=10) as manager,
+        opened(manager, hub) as pipe,
+    ):
+        assert isinstance(pipe.call(manager.claim_call("q", "t0", OWNER, LEASE_MS)), Success)
+        before = script_calls(observer)
+        outcomes: list[Any] = []
+        # Given a claim on its way to a store that does not answer yet
+        os.kill(private_redis.proc.pid, signal.SIGSTOP)
+        try:
+            pipe.defer(manager.claim_call("q", "t1", OWNER, LEASE_MS), outcomes.append)
+            hub.run_once()  # sent: nothing else awaited a reply
+            # When two more are deferred, in two passes of the event loop
+            pipe.defer(manager.claim_call("q", "t2", OWNER, LEASE_MS), outcomes.append)
+            hub.run_once()
+            pipe.defer(manager.claim_call("q", "t3", OWNER, LEASE_MS), outcomes.append)
+            hub.run_once()
+            assert pipe.waiting == 3
+        finally:
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
+        run_loop(hub, lambda: len(outcomes) == 3, "three replies")
+        # Then the two waited for the first's reply and went in one script call
+        assert script_calls(observer) - before == 2
+        assert [o.token.task_id for o in outcomes] == ["t1", "t2", "t3"]
+
+
+def test_deferred_calls_of_other_queues_and_other_scripts_keep_their_order(
+    pipe: StorePipe, manager: RedisClaimManager, redis_server: RedisServer, hub: Hub
+) -> None:
+    observer = redis_server.client()
+    token = manager.claim("a", "t1", OWNER, LEASE_MS).token
+    order: list[str] = []
+    before = script_calls(observer)
+    # Given deferred calls of two queues
+    pipe.defer(manager.claim_call("a", "t2", OWNER, LEASE_MS), lambda o: order.append("a:t2"))
+    pipe.defer(manager.claim_call("b", "t1", OWNER, LEASE_MS), lambda o: order.append("b:t1"))
+    pipe.defer(manager.claim_call("a", "t3", OWNER, LEASE_MS), lambda o: order.append("a:t3"))
+    # When a call that cannot go in a claim_many call (a completion) is submitted meanwhile
+    pipe.submit(manager.complete_call(token, DONE_TTL_MS), lambda o: order.append("complete"))
+    run_loop(hub, lambda: len(order) == 4, "four replies")
+    # Then the deferred ones went first (a claim_many call per queue), then the completion
+    assert script_calls(observer) - before == 3
+    assert order == ["a:t2", "a:t3", "b:t1", "complete"]
+    assert manager.done_record("a", "t1") is not None
+
+
+def test_a_flushed_script_cache_loads_claim_many_and_sends_it_again(
+    pipe: StorePipe, manager: RedisClaimManager, redis_server: RedisServer, hub: Hub
+) -> None:
+    observer = redis_server.client()
+    outcomes: list[Any] = []
+    for task in ("t1", "t2"):
+        pipe.defer(manager.claim_call("q", task, OWNER, LEASE_MS), outcomes.append)
+    run_loop(hub, lambda: len(outcomes) == 2, "two replies")
+    # When the store's script cache is flushed and two more claims go together
+    observer.script_flush()
+    for task in ("t3", "t4"):
+        pipe.defer(manager.claim_call("q", task, OWNER, LEASE_MS), outcomes.append)
+    run_loop(hub, lambda: len(outcomes) == 4, "two more replies")
+    # Then NOSCRIPT never reached them
+    assert all(isinstance(o, Success) for o in outcomes)
+
+
+def test_deferred_calls_fail_when_the_connection_is_dropped(
+    pipe: StorePipe, manager: RedisClaimManager
+) -> None:
+    outcomes: list[Any] = []
+    pipe.call(manager.claim_call("q", "t0", OWNER, LEASE_MS))
+    for task in ("t1", "t2"):
+        pipe.defer(manager.claim_call("q", task, OWNER, LEASE_MS), outcomes.append)
+    pipe.close()
+    assert [type(o) for o in outcomes] == [BackendUnavailable, BackendUnavailable]
+    assert pipe.waiting == 0
+    assert manager.is_claimed("q", "t1") is None  # never sent
+
+
 def test_decoded_responses_clients_are_served_too(
     redis_server: RedisServer, key_prefix: str, hub: Hub
 ) -> None:
