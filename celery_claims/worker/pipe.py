@@ -5,8 +5,13 @@ round trips (:class:`~celery_claims.worker.compat.BrokerRide`). Elsewhere (a Rab
 or a Redis broker with a store of its own) the gate claims each message on this connection,
 without blocking the consumer's event loop:
 
-- a claim is sent at once (:meth:`StorePipe.submit`: one ``EVALSHA`` written to the socket)
-  and the gate goes on with other work: the next delivery, the pool's results, timers;
+- a claim (or the record before an ack) is deferred (:meth:`StorePipe.defer`) and the gate
+  goes on with other work: the next delivery, the pool's results, timers. When the event
+  loop is about to poll (the hub's ``on_tick``) the calls deferred meanwhile are written to
+  the socket in one write, those of one queue in one ``claim_many`` script call (each call
+  gets its own reply); while replies to calls sent earlier are awaited, deferred calls wait
+  for them, so under load the claims and records of several passes go together, and an idle
+  loop sends each at once. :meth:`StorePipe.submit` sends a call at once (one ``EVALSHA``);
 - the socket is registered on the consumer's event loop (``hub.add_reader``, as kombu's
   Redis transport registers its ``BRPOP`` socket), and when it is readable the replies that
   came are read and handed to their calls' callbacks, in the order the calls were sent
