@@ -708,6 +708,35 @@ def test_cluster_claims_go_to_the_slot_owner_of_their_queue(
 
 
 @pytest.mark.cluster
+def test_deferred_cluster_claims_go_in_one_script_call_per_queue_to_its_slot_owner(
+    redis_cluster: Any, key_prefix: str, hub: Hub
+) -> None:
+    # Given a Cluster claim store made by the package's one factory
+    client = connect(f"redis+cluster://127.0.0.1:{redis_cluster.servers[0].port}")
+    try:
+        manager = RedisClaimManager(client=client, prefix=key_prefix)
+        pipe = consumer_pipe(manager, hub)
+        assert isinstance(pipe, ClusterPipe)
+        queues = [f"q{i}" for i in range(6)]
+        for queue in queues:
+            pipe.call(manager.claim_call(queue, "t0", OWNER, LEASE_MS))  # connects every node
+        before = [script_calls(server.client()) for server in redis_cluster.servers]
+        # When three claims of each of six queues are deferred in one pass of the event loop
+        outcomes: list[Any] = []
+        for task in ("t1", "t2", "t3"):
+            for queue in queues:
+                pipe.defer(manager.claim_call(queue, task, OWNER, LEASE_MS), outcomes.append)
+        run_loop(hub, lambda: len(outcomes) == 18, "eighteen replies")
+        # Then every claim got its own, and each queue's went in one call to its slot owner
+        assert all(isinstance(o, Success) for o in outcomes)
+        after = [script_calls(server.client()) for server in redis_cluster.servers]
+        assert sum(after) - sum(before) == len(queues)
+        pipe.close()
+    finally:
+        close(client)
+
+
+@pytest.mark.cluster
 def test_a_moved_reply_is_followed_to_the_new_slot_owner(
     redis_cluster: Any, key_prefix: str, hub: Hub
 ) -> None:
