@@ -672,16 +672,26 @@ def test_clients_the_pipe_cannot_serve_get_none(
     assert consumer_pipe(plain, None) is None
 
 
-@pytest.mark.cluster
-def test_cluster_claims_go_to_the_slot_owner_of_their_queue(
-    redis_cluster: Any, key_prefix: str, hub: Hub
-) -> None:
-    # Given a Cluster claim store made by the package's one factory
+@contextlib.contextmanager
+def cluster_store(redis_cluster: Any, key_prefix: str, hub: Hub) -> Iterator[Any]:
+    """A Cluster claim store made by the package's one factory: its client, a manager on it,
+    and the consumer's pipe to it."""
     client = connect(f"redis+cluster://127.0.0.1:{redis_cluster.servers[0].port}")
     try:
         manager = RedisClaimManager(client=client, prefix=key_prefix)
         pipe = consumer_pipe(manager, hub)
         assert isinstance(pipe, ClusterPipe)
+        yield client, manager, pipe
+    finally:
+        close(client)
+
+
+@pytest.mark.cluster
+def test_cluster_claims_go_to_the_slot_owner_of_their_queue(
+    redis_cluster: Any, key_prefix: str, hub: Hub
+) -> None:
+    # Given a Cluster claim store made by the package's one factory
+    with cluster_store(redis_cluster, key_prefix, hub) as (client, manager, pipe):
         # When claims of twelve queues are sent together
         outcomes: dict[str, Any] = {}
         queues = [f"q{i}" for i in range(12)]
@@ -703,20 +713,13 @@ def test_cluster_claims_go_to_the_slot_owner_of_their_queue(
             assert f"{node_pipe.connection.host}:{node_pipe.connection.port}" == name
         pipe.close()
         assert not hub.readers
-    finally:
-        close(client)
 
 
 @pytest.mark.cluster
 def test_deferred_cluster_claims_go_in_one_script_call_per_queue_to_its_slot_owner(
     redis_cluster: Any, key_prefix: str, hub: Hub
 ) -> None:
-    # Given a Cluster claim store made by the package's one factory
-    client = connect(f"redis+cluster://127.0.0.1:{redis_cluster.servers[0].port}")
-    try:
-        manager = RedisClaimManager(client=client, prefix=key_prefix)
-        pipe = consumer_pipe(manager, hub)
-        assert isinstance(pipe, ClusterPipe)
+    with cluster_store(redis_cluster, key_prefix, hub) as (_, manager, pipe):
         queues = [f"q{i}" for i in range(6)]
         for queue in queues:
             pipe.call(manager.claim_call(queue, "t0", OWNER, LEASE_MS))  # connects every node
@@ -732,8 +735,6 @@ def test_deferred_cluster_claims_go_in_one_script_call_per_queue_to_its_slot_own
         after = [script_calls(server.client()) for server in redis_cluster.servers]
         assert sum(after) - sum(before) == len(queues)
         pipe.close()
-    finally:
-        close(client)
 
 
 @pytest.mark.cluster
