@@ -2,11 +2,16 @@
 -- or ack_done.lua (without kombu's keys) would alone, in the order given, and gets the reply
 -- that script would give. The loader (claims/redis.py, _source) defines claim(KEYS, ARGV) and
 -- ack_done(KEYS, ARGV) from claim.lua and ack_done.lua, ahead of this file.
--- KEYS[1..5] = as claim.lua: claims, instance counter, stats, records, owners of the queue
+-- KEYS[1] = claims hash of the queue        ({q}:c)
+-- KEYS[2] = instance counter of the queue   ({q}:n)
+-- KEYS[3] = stats hash of the queue         ({q}:s)
+-- KEYS[4] = completion records of the queue ({q}:d)
+-- KEYS[5] = owners hash of the queue        ({q}:o)
 -- ARGV = the calls, one after the other, each an operation code and its script's ARGV:
 --        'c', ARGV[1..7] of claim.lua
 --        'r', ARGV[1..6] of ack_done.lua (ARGV[6] = '': a record, no delivery to remove)
 -- returns: {reply of the first call, reply of the second, ...}
+-- ack_done.lua's KEYS[1..4] (release.lua's) are claim.lua's without the instance counter
 local release_keys = {KEYS[1], KEYS[3], KEYS[4], KEYS[5]}
 local replies = {}
 local i = 1
