@@ -14,8 +14,8 @@ was sent already, in the transaction in which kombu recorded the delivery
 queues the claim on the consumer's own connection (:mod:`celery_claims.worker.pipe`: sent
 when the event loop is about to poll, in one script call with the other claims and records
 of its queue queued meanwhile) and goes on; the copy is decided when the event loop reads the
-reply (without an event loop, the manager's blocking client makes the round trip). For a copy that goes to the pool it sets
-per-request wrappers of
+reply (without an event loop, the manager's blocking client makes the round trip). For a
+copy that goes to the pool it sets per-request wrappers of
 ``on_accepted``, ``on_success``, ``on_failure``, ``on_timeout`` and ``execute_using_pool``
 that report to the lifecycle, which runs Celery's own handler (or, for a stale copy, lets
 the message go without acking it).
