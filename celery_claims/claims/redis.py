@@ -56,7 +56,7 @@ from celery_claims.validation import (
     require_tokens,
 )
 
-__all__ = ["RedisClaimManager", "RedisClient", "ScriptCall", "StoredTask"]
+__all__ = ["ManyPart", "RedisClaimManager", "RedisClient", "ScriptCall", "StoredTask", "many_call"]
 
 _T = TypeVar("_T")
 
@@ -85,7 +85,15 @@ _SCRIPTS = (
     "ack_done",
     "read",
     "mark_started",
+    "claim_many",
 )
+
+#: The scripts whose calls :func:`many_call` can put in one ``claim_many`` call, by the
+#: operation code claim_many.lua knows them by.
+_MANY_OPS = {"claim": "c", "ack_done": "r"}
+
+#: The most calls one ``claim_many`` script call carries (bounds the script's run time).
+MANY_MAX_CALLS = 64
 
 #: Driver errors that mean "the store could not be reached", as opposed to a bug.
 _UNAVAILABLE: tuple[type[Exception], ...] = (
@@ -101,9 +109,14 @@ _UNAVAILABLE: tuple[type[Exception], ...] = (
 @cache
 def _source(name: str) -> str:
     lua = resources.files("celery_claims.claims") / "lua"
-    return (
-        (lua / "_common.lua").read_text("utf-8") + "\n" + (lua / f"{name}.lua").read_text("utf-8")
-    )
+    parts = [(lua / "_common.lua").read_text("utf-8")]
+    if name == "claim_many":
+        # the operations it runs are the very scripts a call alone runs, as local functions
+        for op in _MANY_OPS:
+            body = (lua / f"{op}.lua").read_text("utf-8")
+            parts.append(f"local function {op}(KEYS, ARGV)\n{body}\nend")
+    parts.append((lua / f"{name}.lua").read_text("utf-8"))
+    return "\n".join(parts)
 
 
 @contextlib.contextmanager
@@ -134,12 +147,61 @@ class ScriptCall(Generic[_T]):
         keys: the script's ``KEYS`` (shared by every call on the queue: never mutate it).
         args: the script's ``ARGV``.
         decode: maps the raw reply (bytes or str) to the result.
+        many: how the call goes in one ``claim_many`` call with others of its queue
+            (:func:`many_call`), or None for a call that goes alone.
     """
 
     script: Script
     keys: list[str]
     args: list[Any]
     decode: Callable[[Any], _T]
+    many: ManyPart | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ManyPart:
+    """A call's part in a ``claim_many`` script call (claim_many.lua).
+
+    Attributes:
+        script: the registered ``claim_many`` script (on the same client as the call's).
+        keys: the ``KEYS`` of claim_many.lua for the call's queue (claim.lua's); calls with
+            the same ``keys`` can go in one call.
+        args: the operation code and the call's own ``ARGV``.
+    """
+
+    script: Script
+    keys: list[str]
+    args: list[Any]
+
+
+def many_call(calls: Sequence[ScriptCall[Any]]) -> ScriptCall[list[Any]]:
+    """One ``claim_many`` call that runs ``calls`` (all of one queue) in order.
+
+    The result is the list of the calls' raw replies, in order: each is decoded with its own
+    call's ``decode``, exactly as if the call had gone alone (an error reply of the script
+    is every call's).
+
+    Raises:
+        InvalidArgument: no calls, more than :data:`MANY_MAX_CALLS`, a call that cannot go
+            in a ``claim_many`` call, or calls of different queues.
+    """
+    parts = [call.many for call in calls]
+    if not parts or len(parts) > MANY_MAX_CALLS:
+        raise InvalidArgument("calls", f"must be 1..{MANY_MAX_CALLS} calls, got {len(parts)}")
+    first = parts[0]
+    if first is None or any(part is None or part.keys != first.keys for part in parts):
+        raise InvalidArgument("calls", "must all be claims or records of one queue")
+    args: list[Any] = []
+    for part in parts:
+        assert part is not None
+        args += part.args
+    return ScriptCall(first.script, first.keys, args, _many_replies)
+
+
+def _many_replies(reply: Any) -> list[Any]:
+    if not isinstance(reply, list):
+        raise BackendError(f"claim_many.lua answered {reply!r:.200}, not a list")
+    return reply
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,20 +388,26 @@ class RedisClaimManager:
         limit = require_max_takeovers(max_takeovers)
         require_ms("given_up_ttl_ms", given_up_ttl_ms)
         self._register(queue_id)
+        args: list[Any] = [
+            task_id,
+            owner,
+            lease_ms,
+            self._now(),
+            "1" if honour_done else "0",
+            "" if limit is None else limit,
+            given_up_ttl_ms,
+        ]
         return ScriptCall(
             self._scripts["claim"],
             keys.claim_keys,
-            [
-                task_id,
-                owner,
-                lease_ms,
-                self._now(),
-                "1" if honour_done else "0",
-                "" if limit is None else limit,
-                given_up_ttl_ms,
-            ],
+            args,
             partial(_gate_result, queue_id=queue_id, task_id=task_id, owner=owner),
+            self._many("claim", keys, args),
         )
+
+    def _many(self, name: str, keys: QueueKeys, args: list[Any]) -> ManyPart:
+        """The part of a ``name`` call of queue ``keys`` in a ``claim_many`` call."""
+        return ManyPart(self._scripts["claim_many"], keys.claim_keys, [_MANY_OPS[name], *args])
 
     def execute(self, call: ScriptCall[_T]) -> _T:
         """Send ``call``, wait for its reply and decode it (one round trip).
@@ -658,11 +726,13 @@ class RedisClaimManager:
         require_token(token)
         require_ms("done_ttl_ms", done_ttl_ms)
         keys = self.keys(token.queue_id)
+        args: list[Any] = [token.task_id, token.owner, token.instance, done_ttl_ms, self._now(), ""]
         return ScriptCall(
             self._scripts["ack_done"],
             keys.release_keys,
-            [token.task_id, token.owner, token.instance, done_ttl_ms, self._now(), ""],
+            args,
             partial(_ack_done_result, token=token),
+            self._many("ack_done", keys, args),
         )
 
     def done_record(self, queue_id: str, task_id: str) -> AlreadyDone | GivenUp | None:

@@ -11,10 +11,11 @@ lifecycle (:mod:`celery_claims.worker.lifecycle`), which decides what happens to
 run it, skip it, hold it. Where the claim store is the Redis broker's own server, the claim
 was sent already, in the transaction in which kombu recorded the delivery
 (:class:`~celery_claims.worker.compat.BrokerRide`): the gate reads its reply. Elsewhere it
-sends the claim on the consumer's own connection (:mod:`celery_claims.worker.pipe`)
-and goes on; the copy is decided when the event loop reads the reply (without an event loop,
-the manager's blocking client makes the round trip). For a copy that goes to the pool it sets
-per-request wrappers of
+queues the claim on the consumer's own connection (:mod:`celery_claims.worker.pipe`: sent
+when the event loop is about to poll, in one script call with the other claims and records
+of its queue queued meanwhile) and goes on; the copy is decided when the event loop reads the
+reply (without an event loop, the manager's blocking client makes the round trip). For a
+copy that goes to the pool it sets per-request wrappers of
 ``on_accepted``, ``on_success``, ``on_failure``, ``on_timeout`` and ``execute_using_pool``
 that report to the lifecycle, which runs Celery's own handler (or, for a stale copy, lets
 the message go without acking it).
@@ -273,8 +274,9 @@ class ClaimGate:
     def _claim(self, copy: Copy) -> None:
         """Claim ``copy`` (one round trip) and hand the outcome to the lifecycle.
 
-        On the consumer's pipe the claim is only sent here: the outcome comes when the event
-        loop reads the reply (:meth:`_claimed`), and the loop goes on meanwhile.
+        On the consumer's pipe the claim is only queued here (it is sent when the loop is
+        about to poll): the outcome comes when the event loop reads the reply
+        (:meth:`_claimed`), and the loop goes on meanwhile.
         """
         outcome: Any
         try:
@@ -288,7 +290,9 @@ class ClaimGate:
             pipe = self.pipe()
             if pipe is not None:
                 try:
-                    pipe.submit(call, functools.partial(self._claimed, copy))
+                    # sent when the loop is about to poll, in one script call with the other
+                    # claims and records of the queue that pass (or passes, under load) made
+                    pipe.defer(call, functools.partial(self._claimed, copy))
                     return
                 except ClaimError as exc:  # could not connect: nothing was sent
                     outcome = exc
@@ -302,13 +306,14 @@ class ClaimGate:
         self._settle(copy, outcome)
 
     def _send(self, call: ScriptCall[Any], callback: Callable[[Any], None]) -> bool:
-        """Send ``call`` on the pipe, its outcome to ``callback`` on the event loop; False
-        (nothing sent) where the pipe cannot be used now: the caller writes it blocking."""
+        """Queue ``call`` on the pipe (as a claim is), its outcome to ``callback`` on the
+        event loop; False (nothing sent) where the pipe cannot be used now: the caller writes
+        it blocking."""
         pipe = self.pipe()
         if pipe is None:
             return False
         try:
-            pipe.submit(call, callback)
+            pipe.defer(call, callback)
         except ClaimError:  # could not connect: nothing was sent
             return False
         return True

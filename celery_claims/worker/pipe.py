@@ -5,8 +5,13 @@ round trips (:class:`~celery_claims.worker.compat.BrokerRide`). Elsewhere (a Rab
 or a Redis broker with a store of its own) the gate claims each message on this connection,
 without blocking the consumer's event loop:
 
-- a claim is sent at once (:meth:`StorePipe.submit`: one ``EVALSHA`` written to the socket)
-  and the gate goes on with other work: the next delivery, the pool's results, timers;
+- a claim (or the record before an ack) is deferred (:meth:`StorePipe.defer`) and the gate
+  goes on with other work: the next delivery, the pool's results, timers. When the event
+  loop is about to poll (the hub's ``on_tick``) the calls deferred meanwhile are written to
+  the socket in one write, those of one queue in one ``claim_many`` script call (each call
+  gets its own reply); while replies to calls sent earlier are awaited, deferred calls wait
+  for them, so under load the claims and records of several passes go together, and an idle
+  loop sends each at once. :meth:`StorePipe.submit` sends a call at once (one ``EVALSHA``);
 - the socket is registered on the consumer's event loop (``hub.add_reader``, as kombu's
   Redis transport registers its ``BRPOP`` socket), and when it is readable the replies that
   came are read and handed to their calls' callbacks, in the order the calls were sent
@@ -38,6 +43,7 @@ consumer's thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import ssl
 import time
@@ -50,7 +56,7 @@ import redis
 import redis.exceptions as redis_errors
 from celery.utils.log import get_logger
 
-from celery_claims.claims.redis import RedisClaimManager, ScriptCall
+from celery_claims.claims.redis import MANY_MAX_CALLS, RedisClaimManager, ScriptCall, many_call
 from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable
 from celery_claims.errors import BackendError, BackendUnavailable, ClaimError
 
@@ -101,6 +107,22 @@ def _ignore(outcome: Outcome) -> None:
     pass
 
 
+def _decoded(call: ScriptCall[Any], reply: Any) -> Outcome:
+    """A call's reply as its result, or the package's error it is (never raises)."""
+    if isinstance(reply, redis_errors.ResponseError):
+        return _reply_error(reply)
+    try:
+        return call.decode(reply)
+    except ClaimError as exc:
+        return exc
+    except Exception as exc:
+        return BackendError(f"claim store: unreadable reply {reply!r:.200}: {exc}")
+
+
+#: A deferred call and its callback (:meth:`StorePipe.defer`).
+_Deferred = tuple[ScriptCall[Any], Callable[[Outcome], None]]
+
+
 @dataclass(eq=False, slots=True)
 class _Pending:
     call: ScriptCall[Any] | None  # None: a SCRIPT LOAD whose reply nobody waits for
@@ -108,6 +130,7 @@ class _Pending:
     sent_at: float
     seq: int
     resent: bool = False
+    calls: int = 1  # the calls it carries (several in a claim_many call)
 
 
 class StorePipe:
@@ -144,6 +167,8 @@ class StorePipe:
         self._seq = 0  # commands sent on this socket
         self._loaded: dict[str, int] = {}  # sha -> seq of its last SCRIPT LOAD on this socket
         self._deadline: Any = None
+        self._deferred: list[_Deferred] = []  # calls to send when the loop is about to poll
+        self._tick = self._on_tick  # one bound method: the hub's on_tick is a set
 
     @classmethod
     def for_manager(cls, manager: RedisClaimManager, hub: Any) -> StorePipe | None:
@@ -160,8 +185,9 @@ class StorePipe:
 
     @property
     def waiting(self) -> int:
-        """Calls sent whose reply has not been read yet."""
-        return sum(1 for item in self._pending if item.call is not None)
+        """Calls sent or deferred whose reply has not been read yet."""
+        sent = sum(item.calls for item in self._pending if item.call is not None)
+        return sent + len(self._deferred)
 
     @property
     def address(self) -> tuple[str, int] | str:
@@ -193,9 +219,33 @@ class StorePipe:
             StoreUnusable: the store refused the handshake (credentials, database, TLS).
         """
         self._connect()
+        packed = self._take_deferred()  # sent first: the store runs calls in the order given
         item = _Pending(call, callback, time.monotonic(), 0, resent=redirected)
-        self._send(self._enqueue(item, load=call.script.sha not in self._loaded))
+        self._send(packed + self._enqueue(item, load=call.script.sha not in self._loaded))
         self._arm()
+
+    def defer(self, call: ScriptCall[Any], callback: Callable[[Outcome], None]) -> None:
+        """Send ``call`` once the event loop is about to poll, with the other calls deferred
+        until then; ``callback`` gets its outcome as with :meth:`submit`.
+
+        The calls deferred during a pass of the loop go in one write, and those of one queue
+        that can (claims and records: ``call.many``) in one ``claim_many`` script call, each
+        reply handed to its own call's callback. While replies to calls sent earlier are
+        awaited, deferred calls wait for them (up to :data:`MANY_MAX_CALLS`): under load
+        the calls of several passes go together, an idle loop sends each call at once.
+
+        Raises:
+            BackendUnavailable: see :meth:`submit` (nothing was deferred).
+            StoreUnusable: see :meth:`submit`.
+        """
+        if call.many is None:
+            self.submit(call, callback)
+            return
+        self._connect()
+        self._deferred.append((call, callback))
+        on_tick = self.hub.on_tick
+        if self._tick not in on_tick:
+            on_tick.add(self._tick)  # (again after a hub reset cleared it)
 
     def call(self, call: ScriptCall[Any]) -> Outcome:
         """Send ``call`` and wait for its reply (replies to earlier calls are delivered first).
@@ -214,11 +264,15 @@ class StorePipe:
         return box[0] if box else BackendUnavailable("claim store connection lost")
 
     def drain(self) -> None:
-        """Wait for every outstanding reply (each up to the timeout) and deliver them."""
+        """Send the deferred calls, wait for every outstanding reply (each up to the timeout)
+        and deliver them."""
+        self._flush()
         self._wait_until(lambda: not self._pending)
 
     def close(self) -> None:
         """Drop the connection; calls still waiting end with :class:`BackendUnavailable`."""
+        with contextlib.suppress(Exception):
+            self.hub.on_tick.discard(self._tick)
         self._broken(ConnectionError("closed"))
 
     # --- connection -------------------------------------------------------------------------
@@ -269,16 +323,18 @@ class StorePipe:
             with contextlib.suppress(Exception):
                 deadline.cancel()
         pending, self._pending = self._pending, deque()
-        calls = [item for item in pending if item.call is not None]
-        if calls:
+        deferred, self._deferred = self._deferred, []
+        callbacks = [item.callback for item in pending if item.call is not None]
+        failed = sum(item.calls for item in pending if item.call is not None) + len(deferred)
+        if failed:
             logger.warning(
                 "Claim store connection of the consumer dropped (%s); %d call(s) failed",
                 error,
-                len(calls),
+                failed,
             )
         failure = BackendUnavailable(f"claim store unavailable: {error}")
-        for item in calls:
-            self._deliver(item.callback, failure)
+        for callback in callbacks + [callback for _, callback in deferred]:
+            self._deliver(callback, failure)
 
     # --- sending and reading ----------------------------------------------------------------
 
@@ -302,6 +358,60 @@ class StorePipe:
             "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
         )
         return packed
+
+    def _on_tick(self) -> None:
+        """The hub's ``on_tick`` (just before the loop polls): send the deferred calls, unless
+        replies are awaited (they go once those are read). Never raises."""
+        try:
+            if self._deferred and (not self._pending or len(self._deferred) >= MANY_MAX_CALLS):
+                self._flush()
+        except Exception as exc:
+            logger.exception("Claim store pipe: sending deferred calls failed")
+            self._broken(exc)
+
+    def _flush(self) -> None:
+        """Send every deferred call now (in one write)."""
+        packed = self._take_deferred()
+        if packed:
+            self._send(packed)
+            self._arm()
+
+    def _take_deferred(self) -> list[bytes]:
+        """Queue the deferred calls, those of one queue in ``claim_many`` calls, and return
+        the bytes to send."""
+        if not self._deferred:
+            return []
+        deferred, self._deferred = self._deferred, []
+        groups: dict[tuple[str, str], list[_Deferred]] = {}
+        for call, callback in deferred:
+            assert call.many is not None
+            groups.setdefault((call.many.script.sha, call.many.keys[0]), []).append(
+                (call, callback)
+            )
+        now = time.monotonic()
+        packed: list[bytes] = []
+        for group in groups.values():
+            for start in range(0, len(group), MANY_MAX_CALLS):
+                part = group[start : start + MANY_MAX_CALLS]
+                if len(part) == 1:
+                    call, callback = part[0]  # alone: its own script, as submit sends it
+                else:
+                    call = many_call([call for call, _ in part])
+                    callback = functools.partial(self._dispatch, part)
+                item = _Pending(call, callback, now, 0, calls=len(part))
+                packed += self._enqueue(item, load=call.script.sha not in self._loaded)
+        return packed
+
+    def _dispatch(self, parts: list[_Deferred], outcome: Outcome) -> None:
+        """Hand each call of a ``claim_many`` call its own reply (or the call's error)."""
+        if isinstance(outcome, list) and len(outcome) == len(parts):
+            for (call, callback), reply in zip(parts, outcome, strict=True):
+                self._deliver(callback, _decoded(call, reply))
+            return
+        if not isinstance(outcome, BaseException):
+            outcome = BackendError(f"claim store: claim_many answered {outcome!r:.200}")
+        for _, callback in parts:
+            self._deliver(callback, outcome)
 
     def _send(self, packed: Iterable[bytes]) -> None:
         try:
@@ -374,15 +484,8 @@ class StorePipe:
         if isinstance(reply, redis_errors.AskError):
             # MOVED once more, or ASK: the slot is being migrated; tried again later
             outcome = BackendUnavailable(f"claim store unavailable: slot moving ({reply})")
-        elif isinstance(reply, redis_errors.ResponseError):
-            outcome = _reply_error(reply)
         else:
-            try:
-                outcome = item.call.decode(reply)
-            except ClaimError as exc:
-                outcome = exc
-            except Exception as exc:
-                outcome = BackendError(f"claim store: unreadable reply {reply!r:.200}: {exc}")
+            outcome = _decoded(item.call, reply)
         self._deliver(item.callback, outcome)
 
     def _resend(self, item: _Pending) -> None:
@@ -475,6 +578,19 @@ class ClusterPipe:
         except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
             raise BackendUnavailable(f"claim store unavailable: {exc}") from exc
         pipe.submit(call, callback, redirected=redirected)
+
+    def defer(self, call: ScriptCall[Any], callback: Callable[[Outcome], None]) -> None:
+        """:meth:`StorePipe.defer` on the pipe of ``call``'s slot owner.
+
+        Raises:
+            BackendUnavailable: see :meth:`submit`.
+            StoreUnusable: see :meth:`submit`.
+        """
+        try:
+            pipe = self.pipe_of(call)
+        except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
+            raise BackendUnavailable(f"claim store unavailable: {exc}") from exc
+        pipe.defer(call, callback)
 
     def call(self, call: ScriptCall[Any]) -> Outcome:
         """:meth:`StorePipe.call` on the pipe of ``call``'s slot owner (a ``MOVED`` is
