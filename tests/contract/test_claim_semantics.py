@@ -420,6 +420,25 @@ def test_complete_releases_and_keeps_a_completion_record_for_its_ttl(
     assert isinstance(manager.claim_unless_done(Q, "t1", "worker-2", LEASE), Success)
 
 
+def test_a_completion_kept_for_no_time_replaces_an_earlier_record_of_the_task(
+    manager: ClaimManager, clock: ManualClock
+) -> None:
+    # Given a task recorded done by worker-1, then claimed again by a plain claim (which
+    # ignores records) and completed by worker-2 with a retention of 0
+    first = manager.claim_unless_done(Q, "t1", "worker-1", LEASE).token
+    assert first is not None
+    manager.complete(first, 60_000)
+    second = manager.claim(Q, "t1", "worker-2", LEASE).token
+    assert second is not None
+
+    manager.complete(second, 0)
+
+    # Then the latest completion is the task's record, and it is kept for no time: the
+    # earlier record does not answer for the task again (found by the model check)
+    assert manager.done_record(Q, "t1") is None
+    assert isinstance(manager.claim_unless_done(Q, "t1", "worker-3", LEASE), Success)
+
+
 def test_plain_claim_ignores_completion_records(manager: ClaimManager) -> None:
     token = manager.claim(Q, "t1", "worker-1", LEASE).token
     assert token is not None

@@ -191,6 +191,15 @@ local function put_record(records_key, owners_key, task, r)
   redis.call('HSET', records_key, task, format_record(r))
 end
 
+-- A completion kept for no time still replaces the task's earlier record: there is none after.
+local function drop_record(records_key, owners_key, task)
+  local old = redis.call('HGET', records_key, task)
+  if old then
+    owner_unref(owners_key, parse_record(old).oid)
+    redis.call('HDEL', records_key, task)
+  end
+end
+
 -- --- keyed claims: an entry held on a business key names the attempt that holds it ---------
 -- A keyed claim's field is the key's (worker/keyed.py), and its owner ends with
 -- "~k<task key>~<key retention ms>" (the task key with '%', '~', '.', '/' percent-escaped, so
@@ -265,6 +274,10 @@ local function release_claim(k, task, owner, instance, record_ttl, now_arg)
         until_ms = now + key_ttl, oid = e.oid, tail = e.tail})
     end
   else
+    if record_ttl ~= '' then
+      -- a completion with no retention: the task keeps no record, not even an earlier one
+      drop_record(k[3], k[4], keyed_owner(owner) or task)
+    end
     owner_unref(k[4], e.oid)
   end
   return 1
