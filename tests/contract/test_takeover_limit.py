@@ -58,6 +58,15 @@ def crash_and_take_over(
     return results
 
 
+def taken_over_once(manager: ClaimManager, clock: ManualClock) -> TookOver:
+    """The task claimed by w1, whose lease ran out, taken over by w2 under a limit of 1."""
+    manager.claim_unless_done(Q, "poison", "w1", LEASE, max_takeovers=1)
+    clock.advance(LEASE)
+    took_over = manager.claim_unless_done(Q, "poison", "w2", LEASE, max_takeovers=1)
+    assert isinstance(took_over, TookOver)
+    return took_over
+
+
 def test_the_takeover_past_the_limit_is_refused_with_given_up(backend: Backend) -> None:
     manager, clock = backend.manager, backend.clock
     # Given a task claimed by w1 and taken over twice (w2, w3), each lease running out
@@ -135,10 +144,7 @@ def test_the_claim_of_a_live_holder_is_not_a_takeover_and_not_counted(
 def test_a_release_resets_the_count(backend: Backend) -> None:
     manager, clock = backend.manager, backend.clock
     # Given a task taken over once under a limit of 1, then released by its new owner
-    manager.claim_unless_done(Q, "poison", "w1", LEASE, max_takeovers=1)
-    clock.advance(LEASE)
-    took_over = manager.claim_unless_done(Q, "poison", "w2", LEASE, max_takeovers=1)
-    assert isinstance(took_over, TookOver)
+    took_over = taken_over_once(manager, clock)
     assert takeover_counts(backend, Q) == {"poison": 1}
 
     manager.release(took_over.token)
@@ -155,10 +161,7 @@ def test_a_release_resets_the_count(backend: Backend) -> None:
 def test_a_completion_resets_the_count(backend: Backend) -> None:
     manager, clock = backend.manager, backend.clock
     # Given a task taken over once under a limit of 1, then completed by its new owner
-    manager.claim_unless_done(Q, "poison", "w1", LEASE, max_takeovers=1)
-    clock.advance(LEASE)
-    took_over = manager.claim_unless_done(Q, "poison", "w2", LEASE, max_takeovers=1)
-    assert isinstance(took_over, TookOver)
+    took_over = taken_over_once(manager, clock)
 
     manager.complete(took_over.token, 10)
 
@@ -296,10 +299,7 @@ def test_holders_that_died_before_starting_a_taken_over_task_are_not_counted(
 def test_a_takeover_holder_that_marked_its_start_counts_when_it_dies(backend: Backend) -> None:
     manager, clock = backend.manager, backend.clock
     # Given a task taken over once (the first holder died), whose new holder started it
-    manager.claim_unless_done(Q, "poison", "w1", LEASE, max_takeovers=1)
-    clock.advance(LEASE)
-    took_over = manager.claim_unless_done(Q, "poison", "w2", LEASE, max_takeovers=1)
-    assert isinstance(took_over, TookOver)
+    took_over = taken_over_once(manager, clock)
     manager.mark_started(took_over.token)
     manager.mark_started(took_over.token)  # idempotent
 

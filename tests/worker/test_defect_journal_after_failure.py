@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import signal
 import threading
+from typing import Any
 
 import pytest
+import redis as redis_lib
 
 from celery_claims.claims.journal import RedisJournal
 from tests.servers import RedisServer
@@ -71,18 +73,23 @@ def test_a_failed_task_is_not_run_again_when_its_worker_dies_after_the_ack(
     assert len(starts) == 1, f"the failed task ran {len(starts)} times" + second.output()[-6000:]
 
 
+def journaling_worker(fleet: Fleet, broker: str, queue: str) -> tuple[Any, redis_lib.Redis]:
+    """A prefork worker (Celery schedules its acks on the event loop) with fast journal
+    recovery, started; returns a claims-aware producer and a client of the broker."""
+    env = {"CLAIMS_TEST_CONF": json.dumps(JOURNAL)}
+    fleet.worker(
+        "a", broker=broker, backend=broker, queue=queue, concurrency=1, app=APP, env=env
+    ).wait_ready()
+    return fleet.client(broker, broker, queue, plugin=True, conf=JOURNAL), fleet.redis(broker)
+
+
 def test_a_failed_tasks_journal_entry_is_cleared_by_its_prefork_worker(
     fleet: Fleet, private_redis: RedisServer
 ) -> None:
     # Given a prefork worker (Celery schedules its acks on the event loop) and a claims-aware
     # producer
     broker, queue = private_redis.url, unique("q")
-    env = {"CLAIMS_TEST_CONF": json.dumps(JOURNAL)}
-    fleet.worker(
-        "a", broker=broker, backend=broker, queue=queue, concurrency=1, app=APP, env=env
-    ).wait_ready()
-    client = fleet.client(broker, broker, queue, plugin=True, conf=JOURNAL)
-    redis = fleet.redis(broker)
+    client, redis = journaling_worker(fleet, broker, queue)
 
     # When a task fails and is acked
     client.send_task("defects.fail", task_id="failed-live")
@@ -109,12 +116,7 @@ def test_a_failed_tasks_journal_entry_is_cleared_before_its_message_is_acked(
     # the two leaves the message unacked instead: the broker's own redelivery, at least once.
     # Given a prefork worker and a claims-aware producer, every command the server gets seen
     broker, queue = private_redis.url, unique("q")
-    env = {"CLAIMS_TEST_CONF": json.dumps(JOURNAL)}
-    fleet.worker(
-        "a", broker=broker, backend=broker, queue=queue, concurrency=1, app=APP, env=env
-    ).wait_ready()
-    client = fleet.client(broker, broker, queue, plugin=True, conf=JOURNAL)
-    redis = fleet.redis(broker)
+    client, redis = journaling_worker(fleet, broker, queue)
     forget_sha = RedisJournal(client=redis).scripts["journal_forget"].sha
     seen: list[str] = []
     stop = threading.Event()
