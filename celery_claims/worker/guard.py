@@ -11,8 +11,8 @@ wrapper runs in the process that runs the body:
 - before the body, if the lease handed to the pool may have run out (the time is past its
   ``expires_at`` minus a margin for clock skew), it renews the claim, one round trip: a copy
   another copy owns raises :class:`StaleCopy` and never starts; a claim granted by a takeover
-  under ``claims_max_takeovers`` then has its start marked, sent without waiting for the
-  reply, so the holder counts toward the limit only if it dies after this point;
+  under ``claims_max_takeovers`` has its start marked instead (one round trip, which checks
+  the claim too), so the holder counts toward the limit if it dies after this point;
 - after the body returns, it records the completion (one round trip, which checks the claim
   too) before the tracer stores the result and sends chain callbacks, so a result backend
   failure after the body can never make the attempt run again, and a stale copy (another
@@ -220,21 +220,31 @@ class _Verifier:
             logger.debug("completion record not sent ahead of the ack: %s", exc)
 
     def mark_started(self, claim: TaskClaim) -> None:
-        """Mark the claim's start in the store (see ``ClaimManager.mark_started``).
+        """Mark the claim's start in the store (see ``ClaimManager.mark_started``), and wait
+        for the store to take it: one round trip, for taken-over claims only.
 
-        Sent without waiting, ahead of the body: the bytes are on their way even if the body
-        kills the process at once, as a poison task does. Best effort: a mark that is lost
-        only leaves this holder uncounted toward the takeover limit.
+        Waited for, not sent ahead: a mark the store never took (it was down, restarting,
+        ``LOADING``) would leave a poison task's holder uncounted, and the task would run
+        once more than the takeover limit allows (a soak run saw it: 6 runs under a limit
+        of 4). The mark also checks the claim, so it stands in for the start check.
+
+        Raises:
+            ClaimTokenError: another copy owns the task now (the caller does not start it).
+            BackendUnavailable: the store did not answer within ``claims_start_timeout_ms``
+                (the caller fails closed).
         """
-        manager = self.manager()
-        try:
-            call = manager.mark_started_call(claim.token())
-            if ScriptSender.usable(manager.client):
-                self._sender.send(manager.client, call, _mark_reply)
-            else:
-                manager.execute(call)  # Sentinel, Cluster: a round trip of its own
-        except ClaimError as exc:
-            logger.debug("start of %s/%s not marked: %s", claim.queue_id, claim.task_id, exc)
+        token = claim.token()
+
+        def mark() -> None:
+            manager = self.manager()
+            try:
+                manager.mark_started(token)
+            except ClaimTokenError as exc:
+                # as the start check: a claim the store lost (a restart) may be re-claimed
+                if recover(manager, token, exc, claim.lease_ms).verdict is not Verdict.OURS:
+                    raise
+
+        self._answered(mark)
 
     def record_done(self, claim: TaskClaim) -> Verdict:
         """Record the completion of the attempt (see :func:`~.recovery.record_done`).
@@ -276,12 +286,6 @@ def _record_reply(reply: Any, error: BaseException | None) -> None:
     """A record sent ahead of the ack that failed only means the worker's ack writes it."""
     if error is not None:
         logger.debug("a completion record sent ahead of the ack failed: %s", error)
-
-
-def _mark_reply(reply: Any, error: BaseException | None) -> None:
-    """A start mark that failed only leaves its holder uncounted toward the takeover limit."""
-    if error is not None:
-        logger.debug("a start mark failed: %s", error)
 
 
 def _surely_held(claim: TaskClaim) -> bool:
@@ -329,9 +333,10 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
         claim = getattr(task.request, REQUEST_KEY, None)
         if not isinstance(claim, TaskClaim):
             return run(*args, **kwargs)
-        _check(task, claim, verifier, "start", "before it started")
         if claim.mark_start:
-            verifier.mark_started(claim)
+            _mark_start(task, claim, verifier)
+        else:
+            _check(task, claim, verifier, "start", "before it started")
         try:
             retval = run(*args, **kwargs)
         except (Ignore, Reject, Retry):
@@ -371,6 +376,16 @@ def _check(
         raise _unverified(task, claim, phase, exc) from cause or exc
     if not mine:
         raise _stale(task, claim, what) from cause
+
+
+def _mark_start(task: Any, claim: TaskClaim, verifier: _Verifier) -> None:
+    """The start check of a taken-over claim: its start marked in the store (fail closed)."""
+    try:
+        verifier.mark_started(claim)
+    except ClaimTokenError as exc:
+        raise _stale(task, claim, "before it started") from exc
+    except ClaimError as exc:
+        raise _unverified(task, claim, "start", exc) from exc
 
 
 def is_guarded(task: Any) -> bool:

@@ -10,6 +10,7 @@ that started the task can have died of it: a takeover's claim now counts toward
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +19,9 @@ import pytest
 from celery import Celery
 
 from celery_claims import AlreadyDone, RedisClaimManager, TookOver
+from celery_claims.fencing import TaskClaim
+from celery_claims.worker.guard import ClaimUnverified, declare_request_key, guard_tasks
+from celery_claims.worker.settings import load_settings
 from tests.servers import RedisServer
 from tests.worker.helpers import close_app, in_process_worker, make_app, unique, wait_done
 
@@ -80,3 +84,47 @@ def test_a_task_whose_holders_died_before_starting_it_runs_and_marks_its_start(
     # so that its death would have counted
     assert seen == [True, False, 1]
     assert isinstance(wait_done(claims, queue, key), AlreadyDone)
+
+
+def test_a_taken_over_claim_whose_start_the_store_cannot_take_does_not_run(
+    private_redis: RedisServer, queue: str, key_prefix: str
+) -> None:
+    # A start mark sent without waiting was lost when the store was down or restarting: the
+    # holder of a poison task then did not count, and a soak run saw it run 6 times under a
+    # limit of 4. The mark is now waited for, and a taken-over copy whose start the store
+    # cannot take does not start (fail closed).
+    # Given a taken-over claim under a takeover limit, handed to the guarded task body
+    app = make_app(
+        private_redis.url, queue=queue, claims_prefix=key_prefix, claims_max_takeovers=1,
+        claims_start_timeout_ms=3000,
+    )  # fmt: skip
+    ran: list[int] = []
+
+    @app.task(bind=True, shared=False, name="t.body")
+    def body(self: Any) -> None:
+        ran.append(1)
+
+    manager = RedisClaimManager(url=private_redis.url, prefix=key_prefix)
+    try:
+        declare_request_key()
+        guard_tasks(app, load_settings(app), manager)
+        key = f"{unique('marked')}:0:0"
+        manager.claim_unless_done(queue, key, "dead/1/x.1", DEAD_LEASE_MS, max_takeovers=1)
+        time.sleep(DEAD_LEASE_MS * 2 / 1000)
+        took_over = manager.claim_unless_done(queue, key, "w/1/y.1", 60_000, max_takeovers=1)
+        assert isinstance(took_over, TookOver)
+        claim = TaskClaim.of(took_over.token, 60_000, mark_start=True)
+
+        # When the store is gone as the body is about to start
+        private_redis.stop(signal.SIGKILL)
+        body.push_request(id=key, claim=claim)
+        try:
+            # Then the copy does not start: its claim's start could not be marked
+            with pytest.raises(ClaimUnverified):
+                body.run()
+        finally:
+            body.pop_request()
+        assert ran == []
+    finally:
+        manager.close()
+        close_app(app)
