@@ -43,7 +43,9 @@ __all__ = [
     "refresh_unacked",
     "republish",
     "revoke_unrun",
-    "restore_sweep",
+    "RestoreCadence",
+    "restore_cadence",
+    "restore_visible",
     "message_state",
     "requeued",
     "before_gone",
@@ -262,30 +264,98 @@ def pool_name(pool_cls: Any) -> str:
     return _POOL_MODULES.get(leaf, "")
 
 
-def restore_sweep(connection: Any) -> tuple[Callable[[], object], float] | None:
-    """kombu's restore sweep of a Redis broker connection and its period in seconds, or None.
+#: kombu's own restore cadence before 5.7, whatever the transport options say: its event loop
+#: calls the sweep every 10 s (``register_with_event_loop``) and ``QoS.restore_visible``
+#: scans on every 10th call only (its ``interval=10`` default; kombu 5.3 to 5.6).
+_KOMBU_FIXED_CADENCE = (10.0, 10)
+
+
+@dataclass(frozen=True)
+class RestoreCadence:
+    """How often a worker restores dead consumers' unacked Redis messages, and who does it.
+
+    Attributes:
+        interval_s: seconds between two sweeps (the transport option
+            ``unacked_restore_interval``, kombu's default 10).
+        throttle: only every ``throttle``-th sweep scans ``unacked_index`` (the transport
+            option ``unacked_restore_throttle``, kombu's default 10).
+        kombu_loop_sweeps: True where kombu's event loop runs the sweep at this cadence
+            itself: kombu 5.7 reads both options; kombu 5.3 to 5.6 read neither and sweep at
+            their fixed cadence (every 10 s, scanning every 10th time: every ~100 s).
+    """
+
+    interval_s: float
+    throttle: int
+    kombu_loop_sweeps: bool
+
+
+def restore_cadence(connection: Any) -> RestoreCadence | None:
+    """The restore cadence of a Redis broker connection's transport options; None for another
+    transport.
 
     kombu's Redis transport restores the unacked messages of dead consumers (score older than
-    ``visibility_timeout`` in ``unacked_index``) from its event loop: ``register_with_event_loop``
-    calls ``MultiChannelPoller.maybe_restore_messages`` every ``unacked_restore_interval``
-    seconds. A consumer without the event loop (Celery's ``synloop``: the gevent and eventlet
-    pools) only tries after a poll that saw nothing, which never happens while ``BRPOP``
-    answers every ``brpop_timeout``: there the sweep never runs (kombu 5.3 to 5.7). Returns
-    the same bound method and period kombu's loop would use (the throttle,
-    ``unacked_restore_throttle``, and the cross-worker mutex are applied inside it); None
-    for another transport.
+    ``visibility_timeout`` in ``unacked_index``) from its event loop. kombu 5.7 calls
+    ``MultiChannelPoller.maybe_restore_messages`` every ``unacked_restore_interval`` seconds
+    and ``QoS.restore_visible`` scans on every ``unacked_restore_throttle``-th call. kombu 5.3
+    to 5.6 have neither option (``Channel.from_transport_options`` drops them): their loop
+    calls it every 10 s and it scans every 10th time, so a dead worker's message comes back up
+    to ~100 s after its ``visibility_timeout``. A consumer without the event loop (Celery's
+    ``synloop``: the gevent and eventlet pools) only tries after a poll that saw nothing,
+    which never happens while ``BRPOP`` answers every ``brpop_timeout``: there the sweep never
+    runs (kombu 5.3 to 5.7). Invalid values fall back as kombu 5.7's do: a non-positive
+    interval to the default, a throttle of 0 to 1 (read in kombu 5.3 to 5.7).
     """
     transport = getattr(connection, "transport", None)
-    cycle = getattr(transport, "cycle", None)
-    sweep = getattr(cycle, "maybe_restore_messages", None)
-    if not callable(sweep) or getattr(transport, "driver_type", None) != "redis":
+    if getattr(transport, "driver_type", None) != "redis":
         return None
+    channel_cls = getattr(transport, "Channel", None)
     options = getattr(connection, "transport_options", None) or {}
-    default = getattr(getattr(transport, "Channel", None), "unacked_restore_interval", 10)
-    interval = options.get("unacked_restore_interval", default)
+    default_interval = getattr(channel_cls, "unacked_restore_interval", _KOMBU_FIXED_CADENCE[0])
+    interval = options.get("unacked_restore_interval", default_interval)
     if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
-        interval = default  # as kombu does for a non-positive interval
-    return sweep, float(interval)
+        interval = default_interval  # as kombu 5.7 does for a non-positive interval
+    default_throttle = getattr(channel_cls, "unacked_restore_throttle", _KOMBU_FIXED_CADENCE[1])
+    throttle = options.get("unacked_restore_throttle", default_throttle)
+    if isinstance(throttle, bool) or not isinstance(throttle, (int, float)) or throttle < 0:
+        throttle = default_throttle
+    # kombu 5.7 scans on every call for a throttle of 0 (``interval or 1``)
+    throttle = max(int(throttle), 1)
+    # the options exist (and kombu's loop honours them) where the channel class declares them
+    reads_options = hasattr(channel_cls, "unacked_restore_throttle")
+    cadence = (float(interval), throttle)
+    return RestoreCadence(
+        interval_s=cadence[0],
+        throttle=cadence[1],
+        kombu_loop_sweeps=reads_options or cadence == _KOMBU_FIXED_CADENCE,
+    )
+
+
+def restore_visible(connection: Any) -> bool:
+    """Scan ``unacked_index`` once now and restore what a dead consumer left (kombu's sweep,
+    without its throttle); False (nothing done) where the connection has no consuming Redis
+    channel yet.
+
+    The sweep kombu's ``maybe_restore_messages`` makes: ``QoS.restore_visible`` of the first
+    channel that consumes (the keys are not per channel), under kombu's cross-worker mutex
+    (``unacked_mutex_key``: two workers never restore the same message twice), restoring at
+    most ``unacked_restore_limit`` deliveries whose score is older than
+    ``visibility_timeout``; ``interval=1`` makes it scan on this call. Touches the poller's
+    ``_channels`` (read in kombu 5.3 to 5.7, where ``restore_visible(start, num, interval)``
+    has the same signature).
+
+    Raises:
+        Exception: whatever the broker client raises (the caller logs it).
+    """
+    cycle = getattr(getattr(connection, "transport", None), "cycle", None)
+    channels = getattr(cycle, "_channels", None)
+    if not isinstance(channels, (set, list, tuple)):
+        return False
+    for channel in list(channels):
+        scan: Any = getattr(getattr(channel, "qos", None), "restore_visible", None)
+        if getattr(channel, "active_queues", None) and callable(scan):
+            scan(num=getattr(channel, "unacked_restore_limit", None), interval=1)
+            return True
+    return False
 
 
 def forget_delivery(request: Any) -> bool:

@@ -21,11 +21,12 @@ def install(app: Any) -> Any:
     """Make every worker of ``app`` claim each task before running it.
 
     Adds the lease keeper and the event journal's writer (worker bootsteps), the claim gate
-    and, for pools without an event loop, the Redis broker's restore sweep (consumer
-    bootsteps), the ``--claims-*`` worker options, the ``celery_claims.cleanup_expired`` task
-    and its beat entry, and connects the event journal of copies not run
-    (:func:`celery_claims.worker.connect_journal`: copies skipped or held, lane waits,
-    takeovers, lease losses and released claims, written from a thread of its own).
+    and, for pools without an event loop and on kombu before 5.7, the Redis broker's restore
+    sweep (consumer bootsteps), the ``--claims-*`` worker options, the
+    ``celery_claims.cleanup_expired`` task and its beat entry, and connects the event journal
+    of copies not run (:func:`celery_claims.worker.connect_journal`: copies skipped or held,
+    lane waits, takeovers, lease losses and released claims, written from a thread of its
+    own).
     Idempotent. Settings are read and validated when a worker starts, so ``install`` can run
     before the app is configured. In every process of the app, producers included, each
     message it publishes is written to the claim store's publish journal

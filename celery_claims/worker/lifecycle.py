@@ -129,6 +129,11 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.GONE: frozenset(),
 }
 
+#: Event loop ticks an ended copy's settlement waits for Celery's scheduled ack or reject.
+#: kombu's hub runs one tick's callbacks in no set order (``Hub._ready`` is a set, kombu 5.3
+#: to 5.7), so the ack may come one tick after a callback scheduled behind it.
+_SETTLE_TICKS = 2
+
 #: States whose claim the keeper renews.
 RENEWED = frozenset({State.WAITING, State.QUEUED, State.RUNNING, State.COMPLETING})
 
@@ -897,11 +902,16 @@ class Lifecycle:
         it on the event loop): then the message's fate is read on the loop after it.
         """
         if message_state(copy.request) is None and self._consumer is not None:
-            self.waker.call_soon(self._consumer, self._settled_if_gone, copy)
+            self.waker.call_soon(self._consumer, self._settled_if_gone, copy, _SETTLE_TICKS)
         else:
-            self._settled_if_gone(copy)
+            self._settled_if_gone(copy, 0)
 
-    def _settled_if_gone(self, copy: Copy) -> None:
+    def _settled_if_gone(self, copy: Copy, ticks: int) -> None:
+        if message_state(copy.request) is None and ticks > 0 and self._consumer is not None:
+            # kombu's hub keeps the callbacks of one tick in a set: this one may have run
+            # before Celery's ack of the same tick; the ack has run by the next tick
+            self.waker.call_soon(self._consumer, self._settled_if_gone, copy, ticks - 1)
+            return
         if not requeued(copy.request):
             self.on_settled(copy.queue_id, copy.task_key, False)
 

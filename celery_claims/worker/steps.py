@@ -7,8 +7,9 @@
   what it holds for a bounded time (:func:`~celery_claims.worker.event_journal.stop_journal`).
 - :class:`Gate` (consumer): installs the :class:`~celery_claims.worker.gate.ClaimGate` in
   front of ``consumer.on_task_request``.
-- :class:`Sweep` (consumer): runs the Redis broker's restore sweep where kombu does not
-  (:class:`~celery_claims.worker.sweep.RestoreSweep`: pools without an event loop).
+- :class:`Sweep` (consumer): runs the Redis broker's restore sweep where kombu does not run it
+  at the configured cadence (:class:`~celery_claims.worker.sweep.RestoreSweep`: pools without
+  an event loop, and kombu before 5.7).
 """
 
 from __future__ import annotations

@@ -1,18 +1,27 @@
-"""The Redis broker's restore sweep, where kombu does not run it: the gevent and eventlet pools.
+"""The Redis broker's restore sweep, where kombu does not run it at the configured cadence.
 
 A crashed worker's unacked Redis message comes back only through kombu's restore sweep, which
 moves a delivery whose ``unacked_index`` score is older than ``visibility_timeout`` back to its
 queue; the redelivered copy then takes the dead worker's expired claim over. kombu runs that
-sweep from the worker's event loop. The gevent and eventlet pools run without one (Celery's
-blocking ``synloop``), where the sweep never runs
-(:func:`~celery_claims.worker.compat.restore_sweep`): without this service a crashed green
-worker's task stays unacked for good, with or without claims.
+sweep from the worker's event loop, every ``unacked_restore_interval`` seconds, scanning on
+every ``unacked_restore_throttle``-th time (kombu 5.7). Two kinds of worker miss it
+(:func:`~celery_claims.worker.compat.restore_cadence`):
 
-:class:`RestoreSweep` runs kombu's own sweep there, on the consumer's thread (through
-``consumer.call_soon``, between two polls, where kombu's loop would have run it), every
-``unacked_restore_interval`` seconds. A live holder's deliveries are not restored: the lease
-keeper refreshes their scores. Where the worker has an event loop (prefork, threads, solo)
-kombu sweeps already and this does nothing.
+- the gevent and eventlet pools run without an event loop (Celery's blocking ``synloop``),
+  where the sweep never runs: a crashed green worker's task stays unacked for good;
+- kombu 5.3 to 5.6 have neither option: their loop sweeps every 10 s and scans every 10th
+  time, so the message comes back up to ~100 s after its ``visibility_timeout``, whatever the
+  transport options say.
+
+:class:`RestoreSweep` runs kombu's own scan (``QoS.restore_visible``, under its cross-worker
+mutex) there at kombu 5.7's cadence: on the event loop's thread from the hub's timer, as
+kombu's loop does, or, without a loop, on the consumer's thread (through ``consumer.call_soon``,
+between two polls). kombu's own fixed sweep still runs beside it on 5.3 to 5.6; a scan only
+restores deliveries older than ``visibility_timeout``, under the mutex, so one more is
+harmless. A live holder's deliveries are not restored: the lease keeper refreshes their
+scores more often than ``visibility_timeout`` (the startup check says so), however often the
+scan runs; a restored copy of a live holder's message is held by the gate, never acked. On
+kombu 5.7 with an event loop kombu sweeps at the configured cadence and this does nothing.
 """
 
 from __future__ import annotations
@@ -20,9 +29,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import kombu
 from celery.utils.log import get_logger
 
-from celery_claims.worker.compat import restore_sweep
+from celery_claims.worker.compat import restore_cadence, restore_visible
 
 __all__ = ["RestoreSweep"]
 
@@ -30,7 +40,8 @@ logger = get_logger("celery_claims.worker")
 
 
 class RestoreSweep:
-    """kombu's restore sweep for a consumer without an event loop (module docstring).
+    """kombu's restore sweep where kombu does not run it at the configured cadence (module
+    docstring).
 
     Args:
         consumer: the worker's ``Consumer``.
@@ -38,7 +49,10 @@ class RestoreSweep:
 
     def __init__(self, consumer: Any) -> None:
         self.consumer = consumer
+        self._timer: Any = None
         self._tref: Any = None
+        self._calls = 0
+        self._throttle = 1
         self._failing = False
 
     @property
@@ -50,38 +64,62 @@ class RestoreSweep:
         """Schedule the sweep if the consumer needs it; True if it does."""
         self.stop()
         consumer = self.consumer
-        if getattr(consumer, "hub", None) is not None:
-            return False  # kombu's event loop sweeps
-        found = restore_sweep(getattr(consumer, "connection", None))
-        if found is None:
+        cadence = restore_cadence(getattr(consumer, "connection", None))
+        if cadence is None:
             return False  # not the Redis broker: nothing to restore
-        _, interval_s = found
-        self._tref = consumer.timer.call_repeatedly(interval_s, self._due, priority=6)
-        logger.info(
-            "celery-claims: no event loop in this pool; running the Redis broker's restore "
-            "sweep every %g s, so a crashed worker's messages come back",
-            interval_s,
-        )
+        hub = getattr(consumer, "hub", None)
+        if hub is not None and cadence.kombu_loop_sweeps:
+            return False  # kombu's event loop sweeps at this cadence
+        self._calls, self._throttle = 0, cadence.throttle
+        if hub is not None:
+            # the hub's timer fires on the loop's thread, where kombu's own sweep runs
+            self._timer = hub.timer
+            self._tref = hub.timer.call_repeatedly(cadence.interval_s, self._due_in_loop)
+            logger.info(
+                "celery-claims: kombu %s sweeps the Redis broker's unacked messages only "
+                "every ~100 s; running the restore sweep every %g s (scanning every %d), so a "
+                "crashed worker's messages come back",
+                kombu.__version__,
+                cadence.interval_s,
+                cadence.throttle,
+            )
+        else:
+            self._timer = consumer.timer
+            self._tref = consumer.timer.call_repeatedly(cadence.interval_s, self._due, priority=6)
+            logger.info(
+                "celery-claims: no event loop in this pool; running the Redis broker's restore "
+                "sweep every %g s (scanning every %d), so a crashed worker's messages come back",
+                cadence.interval_s,
+                cadence.throttle,
+            )
         return True
 
     def stop(self) -> None:
         """Cancel the sweep (reentrant, no logging)."""
         tref, self._tref = self._tref, None
-        if tref is not None:
+        timer, self._timer = self._timer, None
+        if tref is not None and timer is not None:
             with contextlib.suppress(Exception):
-                self.consumer.timer.cancel(tref)
+                timer.cancel(tref)
+
+    def _scan_due(self) -> bool:
+        # kombu's throttle (QoS.restore_visible's count): the first call scans, then every Nth
+        self._calls += 1
+        return (self._calls - 1) % self._throttle == 0
 
     def _due(self) -> None:
         # the timer's own thread or greenlet: the sweep itself runs on the consumer's
-        self.consumer.call_soon(self.sweep)
+        if self._scan_due():
+            self.consumer.call_soon(self.sweep)
+
+    def _due_in_loop(self) -> None:
+        if self._scan_due():
+            self.sweep()
 
     def sweep(self) -> None:
-        """Run kombu's sweep once on the consumer's current connection."""
-        found = restore_sweep(getattr(self.consumer, "connection", None))
-        if found is None:
-            return
+        """Scan once on the consumer's current connection (no throttle)."""
         try:
-            found[0]()
+            restore_visible(getattr(self.consumer, "connection", None))
         except Exception as exc:
             # the connection is failing: Celery's loop reconnects; try again next period
             if not self._failing:

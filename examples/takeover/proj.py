@@ -26,7 +26,9 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     broker_transport_options={
         "visibility_timeout": 3,  # Redis restores a dead worker's unacked message after 3 s
-        "unacked_restore_interval": 1,  # kombu 5.7 sweeps every ~100 s without these two
+        # kombu sweeps every ~100 s without these two (read by kombu from 5.7, and by
+        # celery-claims' worker on kombu 5.3 to 5.6)
+        "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
     },
     task_default_queue="reports",

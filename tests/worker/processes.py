@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,16 +25,19 @@ from typing import Any
 import psutil
 import redis
 from celery import Celery
+from kombu import Connection, Consumer, Queue
 from kombu.transport.redis import Channel as RedisChannel
 
 from celery_claims import RedisClaimManager
 from celery_claims.worker import install
+from celery_claims.worker.compat import restore_cadence, restore_visible
 from tests.worker.helpers import (
     FAST_REDELIVERY,
     HELD_RECHECK_MS,
     LEASE_MS,
     RENEW_INTERVAL_MS,
     close_app,
+    unique,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -267,3 +271,37 @@ def unacked_task_ids(client: redis.Redis) -> list[str]:
         message = json.loads(raw)[0]
         ids.append(message["headers"]["id"])
     return ids
+
+
+@contextlib.contextmanager
+def plain_restore_sweep(url: str) -> Iterator[None]:
+    """Restore a plain fleet's stale unacked messages at ``FAST_REDELIVERY``'s cadence where
+    kombu does not (kombu before 5.7); nothing on kombu 5.7, whose plain workers do it.
+
+    A plain Celery worker on kombu 5.3 to 5.6 restores only every ~100 s, whatever the
+    transport options say, so a control fleet without claims shows no redelivery within a
+    test's wait. This runs kombu's own scan, every second, from a consumer of an empty queue
+    in the test process: what a plain worker on kombu 5.7 does with these options.
+    """
+    conn = Connection(url, transport_options=dict(FAST_REDELIVERY))
+    cadence = restore_cadence(conn)
+    if cadence is None or cadence.kombu_loop_sweeps:
+        conn.release()
+        yield
+        return
+    stop = threading.Event()
+
+    def sweep() -> None:
+        consumer = Consumer(conn.channel(), [Queue(unique("sweeper"))], no_ack=True)
+        consumer.consume()
+        while not stop.wait(cadence.interval_s):
+            restore_visible(conn)
+
+    thread = threading.Thread(target=sweep, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+        conn.release()

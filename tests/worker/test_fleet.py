@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
 
 from tests.servers import RedisServer
 from tests.worker.helpers import LEASE_MS, RENEW_INTERVAL_MS, unique, wait_done, wait_for
-from tests.worker.processes import Fleet, executions
+from tests.worker.processes import Fleet, executions, plain_restore_sweep
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +33,13 @@ def test_a_long_task_redelivered_by_redis_runs_exactly_once_with_claims(
         proc.wait_ready()
     client = fleet.client(url, url, queue)
 
-    # When the 12 s task runs while Redis keeps finding its message unacked
-    result = client.send_task("fleet.sleep", (12,), task_id="long-1")
-    assert result.get(timeout=60) == 12
-    # the result is in as soon as the first execution ends; wait for any other copy too
-    time.sleep(VISIBILITY_TIMEOUT_S + 2)
+    # When the 12 s task runs while Redis keeps finding its message unacked (the plain
+    # fleet's restores at kombu 5.7's cadence on kombu 5.3 to 5.6 too)
+    with contextlib.nullcontext() if plugin else plain_restore_sweep(url):
+        result = client.send_task("fleet.sleep", (12,), task_id="long-1")
+        assert result.get(timeout=60) == 12
+        # the result is in as soon as the first execution ends; wait for any other copy too
+        time.sleep(VISIBILITY_TIMEOUT_S + 2)
 
     # Then with claims it ran once; without, the redelivered copies ran again
     runs = starts(url, queue, "long-1")
