@@ -52,13 +52,12 @@ class _Queue:
     #: marked its start (``mark_started``): its death does not count
     unstarted: set[str] = field(default_factory=set)
     last_instance: int = 0
+    stats: ClaimStats = field(default_factory=ClaimStats)
 
     def forget(self, task_id: str) -> None:
         """The task's claim is gone: its takeover count and start mark go with it."""
         self.takeovers.pop(task_id, None)
         self.unstarted.discard(task_id)
-
-    stats: ClaimStats = field(default_factory=ClaimStats)
 
 
 class MemoryClaimManager:
