@@ -149,6 +149,23 @@ def check_settings(conf: Mapping[str, Any] | Any, *, pool: str | None = None) ->
                 "broker_transport_options", f"visibility_timeout must be seconds, got {raw!r:.80}"
             )
         visibility_ms = float(raw) * 1000
+        mutex = options.get("unacked_mutex_expire")
+        if (
+            isinstance(mutex, (int, float))
+            and not isinstance(mutex, bool)
+            and mutex > max(float(raw), 1.0)
+        ):
+            findings.append(
+                Finding(
+                    "broker_transport_options.unacked_mutex_expire",
+                    Severity.WARNING,
+                    f"unacked_mutex_expire ({mutex:g} s) is longer than visibility_timeout "
+                    f"({raw:g} s): a worker killed in mid-sweep holds kombu's restore lock "
+                    f"that long, and meanwhile no crashed worker's task is taken over. Leave "
+                    f"it unset (celery-claims bounds it by the visibility timeout) or set it "
+                    f"to at most {max(float(raw), 1.0):g}.",
+                )
+            )
         if refresh is False:
             findings.append(
                 Finding(

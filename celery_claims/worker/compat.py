@@ -14,7 +14,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -25,11 +25,13 @@ from celery import signals as celery_signals
 from celery.utils.log import get_logger
 from celery.utils.saferepr import saferepr
 from kombu.asynchronous import get_event_loop, set_event_loop
+from kombu.connection import Connection
 from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils import json
 
 from celery_claims.claims.redis import ScriptCall
 from celery_claims.connection import server_of
+from celery_claims.safety import KOMBU_DEFAULT_VISIBILITY_TIMEOUT_S
 
 __all__ = [
     "TESTED",
@@ -46,6 +48,7 @@ __all__ = [
     "RestoreCadence",
     "restore_cadence",
     "restore_visible",
+    "restore_mutex_expire",
     "message_state",
     "requeued",
     "before_gone",
@@ -356,6 +359,39 @@ def restore_visible(connection: Any) -> bool:
             scan(num=getattr(channel, "unacked_restore_limit", None), interval=1)
             return True
     return False
+
+
+#: kombu's ``unacked_mutex_expire`` (seconds): the restore sweep's cross-worker lock (5.3-5.7).
+KOMBU_RESTORE_MUTEX_EXPIRE_S = 300.0
+
+
+def restore_mutex_expire(url: str, options: Mapping[str, Any]) -> float | None:
+    """The expiry to give the Redis broker's restore lock, or None to leave it as it is.
+
+    kombu's restore sweep runs under a lock in the broker (``unacked_mutex``) that expires
+    after ``unacked_mutex_expire``, 300 s by default. A worker killed while it holds it (in a
+    sweep that restores many messages, or by a poison task that kills its process group) never
+    releases it, and for the next 300 s no worker restores anything: no crashed holder's task
+    is taken over, however short the visibility timeout. Bounded by the visibility timeout
+    (at least 1 s, at most kombu's 300 s), a dead sweeper delays a takeover by at most one
+    more visibility timeout. A sweep that outlives the lock is harmless: kombu restores each
+    message in a transaction that watches ``unacked``, so two sweeps never restore one message
+    twice. None where the user set the option, or the broker is not kombu's Redis transport.
+    """
+    if "unacked_mutex_expire" in options or not url:
+        return None
+    try:
+        # not connected: the transport's class only
+        with Connection(url) as conn:  # type: ignore[no-untyped-call]  # kombu is untyped
+            driver = getattr(conn.transport, "driver_type", None)
+    except Exception:  # not a URL kombu knows: the consumer itself will say so
+        return None
+    if driver != "redis":
+        return None
+    raw = options.get("visibility_timeout", KOMBU_DEFAULT_VISIBILITY_TIMEOUT_S)
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        return None  # refused by the startup check, which names it
+    return float(min(KOMBU_RESTORE_MUTEX_EXPIRE_S, max(1.0, raw)))
 
 
 def forget_delivery(request: Any) -> bool:

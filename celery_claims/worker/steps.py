@@ -37,7 +37,7 @@ from celery_claims.worker.policy import check_task_policies
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.settings import WORKER_OPTION_NAMES, SettingRefused, load_settings
 from celery_claims.worker.store import check_store
-from celery_claims.worker.sweep import RestoreSweep
+from celery_claims.worker.sweep import RestoreSweep, bound_restore_lock
 
 __all__ = ["EventJournal", "Gate", "LeaseKeeper", "Sweep", "check_unsafe_settings"]
 
@@ -112,6 +112,9 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
             # one line naming the setting under `celery worker`, not a traceback
             raise SettingRefused.of(exc) from None
         check_versions()
+        # before the consumer connects: the restore lock of a sweeper killed in mid-sweep
+        # must not stop takeovers for kombu's 300 s
+        bound_restore_lock(w.app.conf)
         # before "ready": a store the worker cannot use stops it here, with one line
         manager = check_store(settings)
         self.runtime = ClaimsRuntime(w.app, settings, w.hostname, manager)

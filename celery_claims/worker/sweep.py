@@ -22,21 +22,46 @@ harmless. A live holder's deliveries are not restored: the lease keeper refreshe
 scores more often than ``visibility_timeout`` (the startup check says so), however often the
 scan runs; a restored copy of a live holder's message is held by the gate, never acked. On
 kombu 5.7 with an event loop kombu sweeps at the configured cadence and this does nothing.
+
+Whoever sweeps, the sweep's cross-worker lock must not outlive a sweeper killed in mid-sweep
+by more than a visibility timeout: :func:`bound_restore_lock` sets its expiry at start
+(:func:`~celery_claims.worker.compat.restore_mutex_expire`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import kombu
 from celery.utils.log import get_logger
 
-from celery_claims.worker.compat import restore_cadence, restore_visible
+from celery_claims.config import broker_url
+from celery_claims.worker.compat import restore_cadence, restore_mutex_expire, restore_visible
 
-__all__ = ["RestoreSweep"]
+__all__ = ["RestoreSweep", "bound_restore_lock"]
 
 logger = get_logger("celery_claims.worker")
+
+
+def bound_restore_lock(conf: Any) -> float | None:
+    """Bound the Redis broker's restore lock by the visibility timeout in ``conf``, before the
+    consumer connects, unless the user set ``unacked_mutex_expire``; the expiry set, or None.
+    """
+    options = conf.get("broker_transport_options", None) or {}
+    if not isinstance(options, Mapping):
+        return None  # refused by the startup check, which names it
+    expire = restore_mutex_expire(broker_url(conf) or "", options)
+    if expire is not None:
+        conf.broker_transport_options = {**options, "unacked_mutex_expire": expire}
+        logger.info(
+            "celery-claims: the Redis broker's restore lock (unacked_mutex_expire) expires "
+            "after %g s, not kombu's 300 s, so a worker killed in mid-sweep does not stop "
+            "takeovers for five minutes",
+            expire,
+        )
+    return expire
 
 
 class RestoreSweep:

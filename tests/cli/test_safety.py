@@ -48,6 +48,13 @@ def test_the_safe_baseline_has_no_finding() -> None:
             "Set claims_renew_interval_ms below 90000 ms",
         ),
         (
+            {"broker_transport_options": {"visibility_timeout": 180, "unacked_mutex_expire": 300}},
+            "broker_transport_options.unacked_mutex_expire",
+            Severity.WARNING,
+            "Leave it unset (celery-claims bounds it by the visibility timeout) or set it to at "
+            "most 180",
+        ),
+        (
             {"claims_refresh_unacked": False},
             "claims_refresh_unacked",
             Severity.WARNING,
