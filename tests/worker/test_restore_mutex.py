@@ -33,7 +33,7 @@ def _killed_while_sweeping(fleet: Fleet, url: str, queue: str) -> None:
     """Start a worker running a long task, then kill it while it holds the restore lock."""
     holder = fleet.worker("holder", broker=url, backend=url, queue=queue).wait_ready()
     client = fleet.client(url, url, queue)
-    client.send_task("fleet.sleep", (30,), task_id="held-on")
+    client.send_task("fleet.sleep", (6,), task_id="held-on")
     wait_for(
         lambda: [e for e in executions(url, queue) if e["event"] == "start"],
         timeout=20,
