@@ -34,6 +34,7 @@ import redis
 import sqlalchemy as sa
 
 from celery_claims import GivenUp, RedisClaimManager
+from celery_claims.claims.journal import RedisJournal
 from tests.chaos.ledger import Ledger
 from tests.servers import RedisServer, missing_service
 from tests.worker.processes import ROOT, Fleet, Proc
@@ -477,6 +478,7 @@ class Soak:
                     problems.append("GIVEN UP as poison (its holders kept dying)")
                 elif task_id in left:
                     problems.append("NOT RUN (a copy is still in the broker)")
+                    problems.append(self._whereabouts(task_id))
                 else:
                     report.lost += 1
                     problems.append("LOST (no copy left in the broker)")
@@ -502,6 +504,42 @@ class Soak:
                 )
         report.executions = dict(sorted(counts.items()))
         return report
+
+    def _whereabouts(self, task_id: str) -> str:
+        """Where an unfinished task's copies are and what the store and the workers said of it
+        (the clue to why it was not run)."""
+        parts: list[str] = []
+        key = f"{task_id}:0:0"
+        if self.plugin:
+            stored = self._claims().read(self.queue, [key])[0]
+            parts.append(f"store: {stored!r}")
+            journal = RedisJournal(client=self._claims().client)
+            entry = journal.entries(self.queue).get(key)
+            due = "none" if entry is None else f"due in {entry[1] / 1000 - time.time():.0f} s"
+            count = journal.client.hget(journal.keys(self.queue).journal_republished, key)
+            parts.append(f"journal: {due}, republished {int(count or 0)}")
+        if self.broker_kind != "rabbitmq":
+            client = (self.broker_server or self.store).client()
+            queued = sum(
+                task_id in item.decode(errors="replace")
+                for item in client.lrange(self.queue, 0, -1)
+            )
+            now = time.time()
+            unacked = [
+                f"{tag.decode()} {now - (client.zscore('unacked_index', tag) or 0):.0f}s old"
+                for tag, item in client.hgetall("unacked").items()
+                if f'"id": "{task_id}"' in item.decode(errors="replace")
+            ]
+            mutex_ms = client.pttl("unacked_mutex")
+            parts.append(f"broker: {queued} queued, unacked {unacked}, mutex ttl {mutex_ms} ms")
+        mentions = [
+            f"{proc.name}: {line.strip()[:200]}"
+            for proc in self.fleet.procs
+            for line in proc.output().splitlines()
+            if task_id in line
+        ]
+        parts.append(f"worker logs ({len(mentions)} lines): {mentions[-8:]}")
+        return "; ".join(parts)
 
     def _claims(self) -> RedisClaimManager:
         if self._manager is None:
