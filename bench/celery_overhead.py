@@ -22,6 +22,7 @@ checkout from before the publish journal journals nothing when it publishes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -50,6 +51,8 @@ _producers: dict[tuple[str, str], object] = {}
 #: The checkout the ``claims-base`` variants' workers run from (``--baseline``).
 BASELINE: Path | None = None
 BASE_VARIANTS = ("claims-base", "claims-sep-base")
+#: Where each worker's main-thread profile goes (``--profile``), or None.
+PROFILE_DIR: Path | None = None
 
 
 def start_worker(
@@ -62,6 +65,8 @@ def start_worker(
             extra = ["--claims-redis-url", os.environ["BENCH_STORE_URL"]]
         tree, variant = BASELINE, "claims"
     env = {**os.environ, "BENCH_VARIANT": variant, "BENCH_URL": url, "BENCH_QUEUE": queue}
+    if PROFILE_DIR is not None:
+        env["BENCH_PROFILE"] = str(PROFILE_DIR / f"{queue}.prof")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     args = [
         sys.executable, "-m", "celery", "-A", "bench.overhead_app", "worker",
@@ -116,6 +121,26 @@ def script_calls(store: redis.Redis) -> int:
     return int(stats["calls"]) if stats else 0
 
 
+def _thread_cpu_ns(pid: int) -> int:
+    """CPU time of every live thread of ``pid`` (``/proc/PID/task/*/schedstat``), in ns."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # the thread ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def cpu_ns(main_pid: int, server_pid: int) -> tuple[int, int, int]:
+    """CPU time so far of a worker's main process, of its pool processes and of the broker's
+    ``redis-server``, in ns (Linux ``schedstat``: not sampled, unaffected by waiting)."""
+    try:
+        text = Path(f"/proc/{main_pid}/task/{main_pid}/children").read_text()
+    except OSError:
+        text = ""
+    pool = sum(_thread_cpu_ns(int(child)) for child in text.split())
+    return _thread_cpu_ns(main_pid), pool, _thread_cpu_ns(server_pid)
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -144,9 +169,16 @@ def main() -> None:
         type=Path,
         help="a checkout of an earlier commit: adds the variant claims-base (its claims worker)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="a folder: each worker's main thread is profiled (cProfile), one file per queue",
+    )
     opts = parser.parse_args()
-    global BASELINE
-    BASELINE = opts.baseline
+    global BASELINE, PROFILE_DIR
+    BASELINE, PROFILE_DIR = opts.baseline, opts.profile
+    if PROFILE_DIR is not None:
+        PROFILE_DIR.mkdir(parents=True, exist_ok=True)
     if BASELINE is not None:
         chosen = opts.variants.split(",")
         opts.variants = ",".join(chosen + [v for v in BASE_VARIANTS if v not in chosen])
@@ -163,11 +195,14 @@ def main() -> None:
     # script calls per message on the claim store of the claims-sep variants (theirs alone:
     # their batches run one at a time)
     calls: dict[tuple[str, str, str], list[float]] = {}
+    # CPU µs per message of the worker's main process, its pool and the broker's server
+    cpus: dict[tuple[str, str, str], list[tuple[float, float, float]]] = {}
     with private_redis() as url, private_redis() as store_url:
         # the claim store of the claims-sep variant: a server of its own, as with RabbitMQ
         os.environ["BENCH_STORE_URL"] = store_url
         client = redis.Redis.from_url(url)
         store = redis.Redis.from_url(store_url)
+        server_pid = int(client.info("server")["process_id"])
         for pool in pools:
             # Every variant's worker runs for the whole pool (idle ones wait in BRPOP), so the
             # batches of one kind run back to back: a machine that gets slower or faster
@@ -192,8 +227,17 @@ def main() -> None:
                             queue = f"bench-{variant}-{pool}"
                             log = logs / f"{queue}.log"
                             before = script_calls(store)
+                            cpu_before = cpu_ns(procs[variant].pid, server_pid)
                             measured[variant] = run_batch(
                                 client, url, variant, queue, task, tasks, log=log
+                            )
+                            cpu_after = cpu_ns(procs[variant].pid, server_pid)
+                            main_us, pool_us, server_us = (
+                                (b - a) / 1000 / tasks
+                                for a, b in zip(cpu_before, cpu_after, strict=True)
+                            )
+                            cpus.setdefault((pool, kind, variant), []).append(
+                                (main_us, pool_us, server_us)
                             )
                             if "sep" in variant:
                                 # the last records and keeper beats may come after the acks
@@ -207,9 +251,12 @@ def main() -> None:
                             ratios.setdefault((pool, kind, variant), []).append(ratio)
                             per = calls.get((pool, kind, variant), [])
                             on_store = f"  {per[-1]:.2f} store script calls/msg" if per else ""
+                            main_us, pool_us, server_us = cpus[(pool, kind, variant)][-1]
                             print(
                                 f"round {rnd + 1} {pool:7} {kind:4} {variant:9} {took:7.3f} s "
-                                f"{tasks / took:7.0f} tasks/s  x{ratio:.3f}{on_store}",
+                                f"{tasks / took:7.0f} tasks/s  x{ratio:.3f}  CPU us/msg main "
+                                f"{main_us:.0f} pool {pool_us:.0f} broker {server_us:.0f}"
+                                f"{on_store}",
                                 flush=True,
                             )
             finally:
@@ -223,21 +270,30 @@ def main() -> None:
     print(f"\n{tasks} tasks per batch, {rounds} round(s); ratio = time / plain Celery's time")
     print("store calls: EVALSHA on the separate claim store per message, median (claims-sep's")
     print("producer journals: one of them per message is its publish journal write)")
+    print("CPU: µs per message of the worker's main process, its pool processes and the")
+    print("broker's redis-server (median of the rounds; x = against plain Celery's)")
     print(
         "| pool | tasks | variant | tasks/s (median) | ratio per round | median ratio "
-        "| store calls |"
+        "| CPU main | CPU pool | CPU broker | store calls |"
     )
-    print("|---|---|---|---:|---|---:|---:|")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|")
     for pool in pools:
         for kind, _ in KINDS:
+            plain = cpus[(pool, kind, "plain")]
+            plain_cpu = [statistics.median(c) for c in zip(*plain, strict=True)]
             for variant in variants:
                 key = (pool, kind, variant)
                 rate = tasks / statistics.median(times[key])
                 per_round = " / ".join(f"{r:.3f}" for r in ratios[key])
                 on_store = f"{statistics.median(calls[key]):.2f}" if key in calls else ""
+                cpu = [statistics.median(c) for c in zip(*cpus[key], strict=True)]
+                shown = " | ".join(
+                    f"{us:.0f} (x{us / ref:.2f})" if ref else f"{us:.0f}"
+                    for us, ref in zip(cpu, plain_cpu, strict=True)
+                )
                 print(
                     f"| {pool} | {kind} | {variant} | {rate:,.0f} | {per_round} | "
-                    f"{statistics.median(ratios[key]):.3f} | {on_store} |"
+                    f"{statistics.median(ratios[key]):.3f} | {shown} | {on_store} |"
                 )
 
 

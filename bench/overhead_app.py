@@ -99,7 +99,29 @@ def build(variant: str, url: str, queue: str) -> Celery:
     return app
 
 
+def profile_main_process(path: str) -> None:
+    """Profile the worker's main thread (cProfile) from ``worker_init`` until
+    ``worker_shutdown`` and write the stats to ``path`` (``BENCH_PROFILE``): where its CPU
+    per message goes."""
+    import cProfile
+
+    from celery.signals import worker_init, worker_shutdown
+
+    profiler = cProfile.Profile()
+
+    @worker_init.connect(weak=False)
+    def _start(**_: Any) -> None:
+        profiler.enable()  # the main thread: the consumer's event loop runs on it
+
+    @worker_shutdown.connect(weak=False)
+    def _stop(**_: Any) -> None:
+        profiler.disable()
+        profiler.dump_stats(path)
+
+
 if "BENCH_URL" in os.environ and "BENCH_VARIANT" in os.environ:
+    if os.environ.get("BENCH_PROFILE"):
+        profile_main_process(os.environ["BENCH_PROFILE"])
     app = build(
         os.environ["BENCH_VARIANT"], os.environ["BENCH_URL"], os.environ.get("BENCH_QUEUE", "b")
     )
