@@ -25,6 +25,7 @@ calls are made outside the lock; broker calls are made on the consumer's thread
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import functools
@@ -105,6 +106,9 @@ class State(enum.Enum):
     #: let go without acking: forgotten, handed back, or its connection closed (terminal)
     GONE = "gone"
 
+
+#: A copy in the pool: taken-over copies take turns there (Lifecycle._in_turn).
+_IN_POOL = frozenset({State.QUEUED, State.RUNNING})
 
 #: Reasons of a skip whose task id never ran (a keyed task meeting another's key): its own
 #: result is stored as REVOKED.
@@ -326,6 +330,8 @@ class Lifecycle:
         self._loop_thread = -1
         self._lock = threading.Lock()
         self._copies: dict[int, Copy] = {}
+        #: taken-over copies waiting for their turn: one at a time in the pool (_in_turn)
+        self._suspects: collections.deque[Copy] = collections.deque()
         self.ride_acks = False
         self.records_left = False
         #: sends a call on the consumer's pipe, its outcome to the callback on the event loop;
@@ -446,12 +452,14 @@ class Lifecycle:
                 return False
             if to not in TRANSITIONS[copy.state]:
                 raise AssertionError(f"claim {copy.claim_id}: illegal move {copy.state} -> {to}")
-            copy.state = to
+            was, copy.state = copy.state, to
             if TRANSITIONS[to]:
                 self._copies[id(copy)] = copy
             else:
                 self._copies.pop(id(copy), None)
-            return True
+        if copy.mark_start and was in _IN_POOL and to not in _IN_POOL:
+            self._turn_over()
+        return True
 
     # --- the gate's outcomes ----------------------------------------------------------------
 
@@ -517,7 +525,7 @@ class Lifecycle:
             self._move(copy, State.WAITING)
             self.lanes.admit(lane, copy)
         else:
-            self._to_pool(copy)
+            self._in_turn(copy)
 
     def lane_granted(self, copy: Copy, slot: LaneSlot) -> None:
         """A lane slot for a waiting copy (event loop): to the pool."""
@@ -527,7 +535,66 @@ class Lifecycle:
             return
         copy.lane_slot = slot
         self.slots.take_back(copy)
+        self._in_turn(copy)
+
+    def _in_turn(self, copy: Copy) -> None:
+        """To the pool, unless it is a taken-over copy and another is in the pool: then it
+        waits for its turn (``WAITING``, its claim renewed and its start unmarked).
+
+        A takeover means the task's last holder died while it ran it, and a task that kills
+        its worker (its whole process group: an OOM kill, a segfault, ``os.killpg``) takes
+        the tasks beside it down too. Their messages come back together, the next worker
+        takes them together, and without turns every one of them dies again with the poison
+        task, until the takeover limit gives them all up. One taken-over copy at a time in the
+        pool isolates the task that kills: a copy that waits does not start, so its holder's
+        death does not count toward its takeover limit. Other copies run beside it as usual.
+        """
+        if copy.mark_start:
+            with self._lock:
+                busy = any(
+                    c is not copy and c.mark_start and c.state in _IN_POOL
+                    for c in self._copies.values()
+                )
+                if busy:
+                    # WAITING and in the queue of turns at once: _next_turn never sees one
+                    # without the other
+                    if copy.state is not State.WAITING:
+                        if State.WAITING not in TRANSITIONS[copy.state]:
+                            raise AssertionError(
+                                f"claim {copy.claim_id}: illegal move {copy.state} -> waiting"
+                            )
+                        copy.state = State.WAITING
+                    self._suspects.append(copy)
+            if busy:
+                logger.info(
+                    "Claim %s: taken over; waits for this worker's other taken-over task to "
+                    "end (one at a time, so a task that kills its worker takes no other down)",
+                    copy.claim_id,
+                )
+                return
         self._to_pool(copy)
+
+    def _turn_over(self) -> None:
+        """A taken-over copy left the pool: the next one's turn (on the event loop)."""
+        if self._suspects:
+            self._on_loop(self._next_turn)
+
+    def _next_turn(self) -> None:
+        with self._lock:
+            if any(c.mark_start and c.state in _IN_POOL for c in self._copies.values()):
+                return
+            turn = None
+            while self._suspects and turn is None:
+                waiting = self._suspects.popleft()
+                if waiting.state is State.WAITING:
+                    turn = waiting
+        if turn is not None:
+            self._to_pool(turn)
+
+    def _out_of_turn(self, copy: Copy) -> None:
+        """A copy waiting for its turn leaves ``WAITING`` otherwise (lost, released)."""
+        with self._lock, contextlib.suppress(ValueError):
+            self._suspects.remove(copy)
 
     def _to_pool(self, copy: Copy) -> None:
         self._move(copy, State.QUEUED)
@@ -992,6 +1059,7 @@ class Lifecycle:
             # pool before the loop runs the readmission (the loss is decided once)
             if not self._move(copy, State.RECEIVED, only_from=frozenset({State.WAITING})):
                 return
+            self._out_of_turn(copy)
         elif not self._go_stale(copy, f"lease lost ({detail})", other_owner=True):
             return
         request = copy.request
@@ -1205,8 +1273,12 @@ class Lifecycle:
 
     def _release(self, copy: Copy, why: str) -> None:
         if copy.state is State.WAITING:
+            self._out_of_turn(copy)
+            slot, copy.lane_slot = copy.lane_slot, None
             if self.lanes is not None:
                 self.lanes.forget(copy)
+                if slot is not None:  # granted, then waiting for its turn
+                    self.lanes.release(slot)
             self.slots.take_back(copy)
             self._move(copy, State.RELEASED)
         elif not self._finish(copy, State.RELEASED, why):
@@ -1239,9 +1311,11 @@ class Lifecycle:
         with self._lock:
             if copy.state not in (State.QUEUED, State.RUNNING, State.COMPLETING):
                 return False
-            copy.state = State.STALE
+            was, copy.state = copy.state, State.STALE
             copy.stale_why = why
             copy.other_owner = other_owner
+        if copy.mark_start and was in _IN_POOL:
+            self._turn_over()
         slot, copy.lane_slot = copy.lane_slot, None
         if slot is not None and self.lanes is not None:
             self.lanes.release(slot)
@@ -1300,9 +1374,13 @@ class Lifecycle:
     def _readmit(self, copy: Copy) -> None:
         """A waiting copy whose claim was taken over (moved to ``RECEIVED`` by :meth:`_lose`):
         out of its lane, through the gate again under a new owner."""
-        if copy.state is not State.RECEIVED or self.lanes is None:
+        if copy.state is not State.RECEIVED:
             return
-        self.lanes.forget(copy)
+        slot, copy.lane_slot = copy.lane_slot, None
+        if self.lanes is not None:
+            self.lanes.forget(copy)
+            if slot is not None:  # granted, then waiting for its turn
+                self.lanes.release(slot)
         self.slots.take_back(copy)
         # a new owner: under its old one the copy would simply re-claim the task
         owner = new_owner(self.hostname)
