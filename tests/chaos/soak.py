@@ -476,6 +476,7 @@ class Soak:
                 ):
                     report.given_up += 1
                     problems.append("GIVEN UP as poison (its holders kept dying)")
+                    problems.append(self._whereabouts(task_id))
                 elif task_id in left:
                     problems.append("NOT RUN (a copy is still in the broker)")
                     problems.append(self._whereabouts(task_id))
