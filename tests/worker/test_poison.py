@@ -18,6 +18,14 @@ pytestmark = pytest.mark.slow
 MAX_TAKEOVERS = 2
 
 
+def _start_worker(fleet: Fleet, broker: str, queue: str, *, concurrency: int) -> None:
+    """Start one more worker of ``queue`` under ``MAX_TAKEOVERS`` and wait until it is ready."""
+    fleet.worker(
+        f"w{len(fleet.procs)}", broker=broker, backend=broker, queue=queue,
+        concurrency=concurrency, extra=("--claims-max-takeovers", str(MAX_TAKEOVERS)),
+    ).wait_ready()  # fmt: skip
+
+
 def test_a_task_that_keeps_crashing_its_workers_is_given_up_after_the_takeover_limit(
     fleet: Fleet, private_redis: RedisServer
 ) -> None:
@@ -25,10 +33,7 @@ def test_a_task_that_keeps_crashing_its_workers_is_given_up_after_the_takeover_l
     broker, queue = private_redis.url, unique("q")
 
     def start() -> None:
-        fleet.worker(
-            f"w{len(fleet.procs)}", broker=broker, backend=broker, queue=queue, concurrency=1,
-            extra=("--claims-max-takeovers", str(MAX_TAKEOVERS)),
-        ).wait_ready()  # fmt: skip
+        _start_worker(fleet, broker, queue, concurrency=1)
 
     start()
     claims: RedisClaimManager = fleet.claims(broker)
@@ -91,10 +96,7 @@ def test_a_task_that_died_beside_a_poison_task_runs_and_is_not_given_up(
     client = fleet.client(broker, broker, queue)
 
     def start() -> None:
-        fleet.worker(
-            f"w{len(fleet.procs)}", broker=broker, backend=broker, queue=queue, concurrency=2,
-            extra=("--claims-max-takeovers", str(MAX_TAKEOVERS)),
-        ).wait_ready()  # fmt: skip
+        _start_worker(fleet, broker, queue, concurrency=2)
 
     start()
     client.send_task("fleet.sleep", (4,), task_id="innocent")
