@@ -38,7 +38,7 @@ from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
 from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
 from celery_claims.worker.compat import BrokerRide, unwrap_exception
-from celery_claims.worker.guard import REQUEST_KEY, is_guarded
+from celery_claims.worker.guard import REQUEST_KEY, SETTLE_KEY, is_guarded
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
 from celery_claims.worker.keyed import KeyedClaim, KeySpecs
 from celery_claims.worker.lifecycle import Copy, State
@@ -387,6 +387,12 @@ class ClaimGate:
         request.request_dict[REQUEST_KEY] = TaskClaim.of(
             copy.token, copy.lease_ms, mark_start=copy.mark_start
         )
+        settle = self.life.pool_settle(copy)
+        copy.pool_settles = settle is not None
+        if settle is None:
+            request.request_dict.pop(SETTLE_KEY, None)
+        else:
+            request.request_dict[SETTLE_KEY] = settle
         # read now: `celery control time_limit` may have changed the task's since it arrived
         copy.time_limit_s = time_limit_of(request, request.task, self.runtime.time_limits)
         self._wrap(copy)

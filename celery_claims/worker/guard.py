@@ -16,13 +16,16 @@ wrapper runs in the process that runs the body:
 - after the body returns, it records the completion (one round trip, which checks the claim
   too) before the tracer stores the result and sends chain callbacks, so a result backend
   failure after the body can never make the attempt run again, and a stale copy (another
-  copy owns the task) raises :class:`StaleCopy` instead of storing its result. Where the
-  claim store is the Redis broker's own server, the worker's ack writes the record in the
-  same script (``lifecycle.py``); when nothing can fail after the body (no result to
-  store, no callback, chord or ``on_success`` of the task's own, ``acks_late``) and the lease
-  handed to the pool cannot have run out, a prefork pool process sends the record without
-  waiting for its reply instead of making the round trip, so a main process paused or
-  killed before its ack cannot let the task run again;
+  copy owns the task) raises :class:`StaleCopy` instead of storing its result. When
+  nothing can fail after the body (no result to store, no callback, chord or
+  ``on_success`` of the task's own, ``acks_late``) and the claim store is the Redis
+  broker's own server, the worker asks (``SETTLE_KEY``) for the record to be written with
+  the removal of the delivery from kombu's unacked set, in one script, waited for here: the
+  worker's ack then only forgets the delivery (``Lifecycle.pool_settle``). With a store
+  apart, when the lease handed to the pool cannot have run out, a prefork pool process
+  sends the record without waiting for its reply and the worker writes it again before its
+  ack. Either way a main process paused or killed before its ack cannot let the task run
+  again;
 - after the body raised, the same check as before the body.
 
 A store that does not answer is waited for (bounded by ``claims_start_timeout_ms``), then
@@ -33,6 +36,7 @@ decides what happens to the message.
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
 import threading
@@ -57,6 +61,7 @@ from celery_claims.worker.store import new_manager
 
 __all__ = [
     "REQUEST_KEY",
+    "SETTLE_KEY",
     "ClaimUnverified",
     "StaleCopy",
     "current_claim",
@@ -71,6 +76,11 @@ logger = get_logger("celery_claims.worker")
 
 #: Key of the claim in the request dict handed to the pool (``self.request.claim``).
 REQUEST_KEY = "claim"
+
+#: Key, in the request dict handed to the pool, of what the process running the body needs to
+#: settle the copy itself (kombu's unacked index and unacked keys, the delivery tag), where
+#: the worker asks it to (``Lifecycle.pool_settle``).
+SETTLE_KEY = "claims_settle"
 
 #: Attribute marking a task whose ``run`` is already wrapped.
 _GUARDED = "_celery_claims_guarded"
@@ -133,6 +143,18 @@ class ClaimUnverified(Ignore):  # type: ignore[misc]  # celery is untyped
 
 
 _T = TypeVar("_T")
+
+
+class Settled(enum.Enum):
+    """How far a pool process got settling a copy itself (:meth:`_Verifier.settle`)."""
+
+    #: the completion is recorded and the delivery removed
+    SETTLED = "settled"
+    #: the completion was recorded already (by this owner, under another instance), the
+    #: delivery is still there
+    RECORDED = "recorded"
+    #: another copy owns or finished the task: nothing written, the delivery left alone
+    LOST = "lost"
 
 
 class _Verifier:
@@ -218,6 +240,39 @@ class _Verifier:
             self._sender.send(manager.client, call)
         except ClaimError as exc:
             logger.debug("completion record not sent ahead of the ack: %s", exc)
+
+    def settle(self, claim: TaskClaim, keys: tuple[str, str], tag: str) -> Settled:
+        """Record the attempt's completion and remove its delivery from kombu's unacked set,
+        in one script (``ack_done.lua``), and wait for it: the worker's ack then has nothing
+        left to write (``Lifecycle.pool_settle``).
+
+        Returns:
+            how far it got (:class:`Settled`).
+
+        Raises:
+            BackendUnavailable: the store did not answer within ``claims_start_timeout_ms``.
+        """
+        ttl = self.settings.done_ttl_ms
+
+        def ask() -> Settled:
+            manager = self.manager()
+            token = claim.token()
+            try:
+                manager.execute(manager.ack_done_call(token, ttl, keys, tag))
+                return Settled.SETTLED
+            except ClaimTokenError as exc:
+                found = recover(manager, token, exc, claim.lease_ms)
+            if found.verdict is Verdict.OURS:
+                # the store had lost the claim, or this worker re-claimed it: under the
+                # current token
+                assert found.token is not None
+                manager.execute(manager.ack_done_call(found.token, ttl, keys, tag))
+                return Settled.SETTLED
+            if found.verdict is Verdict.RECORDED:
+                return Settled.RECORDED
+            return Settled.LOST
+
+        return self._answered(ask)
 
     def mark_started(self, claim: TaskClaim) -> None:
         """Mark the claim's start in the store (see ``ClaimManager.mark_started``), and wait
@@ -347,6 +402,10 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
         # The completion is recorded here, before the tracer stores the result: whatever
         # happens to the result (a result backend outage fails the task after its body
         # returned), a later copy of this attempt is acknowledged without running.
+        settle = getattr(task.request, SETTLE_KEY, None)
+        if settle is not None:
+            _settle(task, claim, verifier, settle)
+            return retval
         if verifier.leaves_record_to_ack(task, claim):
             verifier.send_record(claim)
             return retval
@@ -376,6 +435,29 @@ def _check(
         raise _unverified(task, claim, phase, exc) from cause or exc
     if not mine:
         raise _stale(task, claim, what) from cause
+
+
+def _settle(task: Any, claim: TaskClaim, verifier: _Verifier, settle: Any) -> None:
+    """Record the completion and remove the delivery (``SETTLE_KEY``); a success reported
+    after this means both are done, any other outcome is raised for the worker to handle."""
+    index_key, unacked_key, tag = settle
+    try:
+        outcome = verifier.settle(claim, (index_key, unacked_key), tag)
+    except ClaimError as exc:
+        raise _unverified(task, claim, "done", exc) from exc
+    if outcome is Settled.LOST:
+        raise _stale(task, claim, "finished")
+    if outcome is Settled.RECORDED:
+        # the delivery is still there: the worker acks it once it has checked the record
+        # itself (as for a completion it could not verify)
+        logger.info(
+            "%s[%s]: completion of claim %s/%s found recorded already; ack left to the worker",
+            task.name,
+            task.request.id,
+            claim.queue_id,
+            claim.task_id,
+        )
+        raise ClaimUnverified(f"claim instance {claim.instance}: ack left to the worker", "done")
 
 
 def _mark_start(task: Any, claim: TaskClaim, verifier: _Verifier) -> None:

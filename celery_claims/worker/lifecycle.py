@@ -186,6 +186,9 @@ class Copy:
         mark_start: its claim was granted by a takeover under ``claims_max_takeovers``: its
             start is marked in the store (by its pool process, ``guard.py``; by this process
             for an unguarded task), so that it counts toward the limit only once started.
+        pool_settles: the process that runs its body records the completion and removes
+            the delivery from kombu's unacked set in one script, before it reports success
+            (:meth:`Lifecycle.pool_settle`): Celery's ack then costs no round trip.
     """
 
     request: Any
@@ -215,6 +218,7 @@ class Copy:
     key: KeyedClaim | None = None
     lane_key: str = ""
     mark_start: bool = False
+    pool_settles: bool = False
 
     @property
     def claim_id(self) -> str:
@@ -817,6 +821,36 @@ class Lifecycle:
         except ClaimError as exc:
             logger.debug("Claim %s/%s: start not marked: %s", token.queue_id, token.task_id, exc)
 
+    def pool_settle(self, copy: Copy) -> tuple[str, str, str] | None:
+        """What the process running ``copy``'s body needs to settle it itself, or None.
+
+        Where the claim store is the Redis broker's server and nothing after the body can
+        fail the attempt (:func:`~.guard.records_left_to_worker`), the process that runs the
+        body (a prefork child, a pool thread) writes the completion record and removes the
+        delivery from kombu's ``unacked_index`` / ``unacked`` in one script, the one
+        :meth:`take_ack` would send (``ack_done.lua``: the delivery goes only with this
+        token's record), and waits for it before it reports success. A success reported for
+        such a copy therefore means the record is written and the delivery removed: its ack
+        only forgets the delivery in kombu's memory, so the event loop makes no round trip
+        for it, and a main process paused or killed after the body returned cannot let the
+        task run again. Any other outcome is reported as a failure (``StaleCopy``,
+        ``ClaimUnverified``) and handled as before.
+
+        Returns:
+            kombu's unacked index and unacked keys and the delivery tag, for the request dict.
+        """
+        request = copy.request
+        if not (copy.guarded and self.ride_acks) or request.acknowledged:
+            return None
+        if not records_left_to_worker(request):
+            return None
+        message = request.message
+        tag = getattr(message, "delivery_tag", None)
+        ride = BrokerRide.of(getattr(message, "channel", None), self.manager.client)
+        if ride is None or tag is None:
+            return None
+        return (ride.keys[0], ride.keys[1], str(tag))
+
     def succeeded(self, copy: Copy, celery_handler: Callable[[], object]) -> None:
         """The body returned and the result was stored (``on_success``)."""
         if copy.state is State.STALE:
@@ -876,6 +910,12 @@ class Lifecycle:
         copy, ride = riding
         copy.ride_tag = None
         assert copy.token is not None
+        if copy.pool_settles:
+            # its pool process recorded the completion and removed the delivery before it
+            # reported success (pool_settle): nothing of it is left in the broker
+            ride.forget(tag)
+            self._completed(copy, "succeeded, settled by its pool process")
+            return True
         try:
             call = self.manager.ack_done_call(
                 copy.token, self.settings.done_ttl_ms, ride.keys, str(tag)

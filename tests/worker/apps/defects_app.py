@@ -82,3 +82,10 @@ def pause_parent(self: Any) -> None:
     if _log.set(f"paused:{self.request.id}", 1, nx=True):
         os.kill(os.getppid(), signal.SIGSTOP)
     record("end", self)
+
+
+@app.task(name="defects.quiet", ignore_result=True)
+def quiet(i: int) -> int:
+    """Nothing after its body can fail (no result stored, no callback): the process that runs
+    it settles its copy itself where the claim store is the broker's server."""
+    return i
