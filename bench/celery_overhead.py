@@ -223,6 +223,12 @@ def main() -> None:
                     order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
                     for kind, task in KINDS:
                         measured: dict[str, float] = {}
+                        # an untimed batch first: the first batch after a change of pace (the
+                        # idle 10 ms phase, the warm-up) ran up to 1.7x slower whichever
+                        # variant it was (the cores' clock speeding up, caches), and the
+                        # rotation alone left that to whichever variant came first
+                        first = f"bench-{order[0]}-{pool}"
+                        run_batch(client, url, order[0], first, task, max(50, tasks // 4))
                         for variant in order:
                             queue = f"bench-{variant}-{pool}"
                             log = logs / f"{queue}.log"

@@ -159,6 +159,21 @@ class RedisJournal:
         with translate_errors():
             return call.decode(call.script(keys=call.keys, args=call.args))
 
+    def publish_call(self, put: ScriptCall[int], list_key: str, payload: str) -> ScriptCall[int]:
+        """``put`` (a :meth:`put_call`) that also pushes ``payload`` to ``list_key``, first,
+        in the same script: a Redis broker's publish and its journal entry in one step.
+
+        For a store that is the broker's own server and database (standalone: the broker's
+        list and the journal's keys are in different slots).
+
+        Raises:
+            InvalidArgument: a bad list key or payload.
+        """
+        require_id("list_key", list_key)
+        if not isinstance(payload, str) or not payload:
+            raise InvalidArgument("payload", "must be a non-empty str")
+        return ScriptCall(put.script, [*put.keys, list_key], [*put.args, payload], put.decode)
+
     def take_due(self, queue_id: str, *, limit: int, defer_ms: int) -> list[JournalEntry]:
         """The entries whose recover time has passed, at most ``limit``, oldest first.
 

@@ -48,10 +48,10 @@ from kombu.serialization import dumps as serialize
 from kombu.utils import json
 
 from celery_claims.claims.journal import JournalEntry, RedisJournal
-from celery_claims.claims.redis import RedisClaimManager, translate_errors
+from celery_claims.claims.redis import RedisClaimManager, ScriptCall, translate_errors
 from celery_claims.connection import close as close_client
 from celery_claims.errors import ClaimError, InvalidArgument
-from celery_claims.worker.compat import close_with, wrap_send_task
+from celery_claims.worker.compat import PublishRide, close_with, wrap_send_task, wrap_task_sender
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id
 from celery_claims.worker.policy import is_exempt
 from celery_claims.worker.sender import ScriptSender
@@ -243,6 +243,8 @@ class _Capture:
     envelope: Envelope | None = None
     error: Exception | None = None
     exempt: bool = False
+    #: written with the publish itself (:class:`~.compat.PublishRide`)
+    journaled: bool = False
 
 
 #: The ``send_task`` call in progress in this context (its app and what it publishes).
@@ -329,6 +331,7 @@ class ProducerJournal:
         self._retry_after_s = RETRY_AFTER_S / 2
         self._failing = False
         self._sender = ScriptSender(self._replied)
+        self._sender_wrapped = False
 
     def configure(self, settings: ClaimsSettings) -> None:
         """Journal with ``settings`` from now on: a worker's own, command-line options
@@ -383,15 +386,70 @@ class ProducerJournal:
             self._setup()
         if not self._enabled:
             return send_task(*args, **kwargs)
+        if not self._sender_wrapped:
+            self._sender_wrapped = True
+            wrap_task_sender(self.app, self._on_producer)
         capture = _Capture(self.app, kwargs.get("serializer"))
         token = _publishing.set(capture)
         try:
             result = send_task(*args, **kwargs)
         finally:
             _publishing.reset(token)
-        if not capture.exempt:
+        if not capture.exempt and not capture.journaled:
             self._write(capture)
         return result
+
+    def _on_producer(self, producer: Any) -> None:
+        """Before a task message goes out on ``producer``: where its channel is the Redis
+        broker's on the claim store's server, the journal entry rides the publish."""
+        try:
+            if self._off is not None or not self._enabled:
+                return
+            store = self._store()
+            if ScriptSender.usable(store.client):
+                PublishRide.hook(producer.channel, store.client, self._ride, self._rode)
+        except Exception as exc:  # never fail a publish: the entry is then written on its own
+            logger.debug("celery-claims: the journal cannot ride this producer: %r", exc)
+
+    def _ride(self, queue: str, list_key: str, payload: str) -> ScriptCall[int] | None:
+        """The journal write that goes with kombu's push of ``payload`` to ``queue``'s list,
+        or None (kombu publishes alone; :meth:`_write` journals it after the publish)."""
+        capture = _publishing.get()
+        if (
+            capture is None
+            or capture.app is not self.app
+            or capture.journaled
+            or capture.exempt
+            or capture.envelope is None
+            or self._off is not None
+            or time.monotonic() < self._skip_until
+        ):
+            return None
+        envelope = capture.envelope
+        try:
+            assert self._settings is not None
+            queue_id = self._queues.queue_of(
+                {"exchange": envelope.exchange, "routing_key": envelope.routing_key}
+            )
+            if queue_id != queue:
+                return None  # routed elsewhere too (or otherwise): journaled on its own
+            store = self._store()
+            put = store.put_call(
+                queue_id,
+                envelope.task_key,
+                envelope.dumps(),
+                recover_after_ms=self._settings.journal_recover_after_ms,
+                eta_ms=envelope.eta_ms,
+            )
+            return store.publish_call(put, list_key, payload)
+        except Exception:  # the write on its own says what is wrong
+            return None
+
+    def _rode(self) -> None:
+        capture = _publishing.get()
+        if capture is not None:
+            capture.journaled = True
+        self._written()
 
     def _write(self, capture: _Capture) -> None:
         """Journal what ``capture`` holds; never raises (the publish has succeeded).

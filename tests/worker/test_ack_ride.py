@@ -98,8 +98,14 @@ def test_claims_and_completions_ride_kombus_own_round_trips(
     assert scripts[shas["claim"]] == TASKS
     assert scripts[shas["ack_done"]] == TASKS
     assert scripts[shas["release"]] == 0, "a completion was written on its own"
-    # the producer (this process) journals each message it publishes: one write per publish
+    # the producer (this process) journals each message it publishes, in the same script as
+    # the publish itself: kombu's LPUSH of the message rides the journal's write
     assert scripts[shas["journal_put"]] == TASKS
+    assert [w for _, w in commands if w[0] == "LPUSH"] == [], "a publish went on its own"
+    for _, words in commands:
+        if words[0] == "EVALSHA" and words[1] == shas["journal_put"]:
+            assert words[2] == "4", words[:7]
+            assert words[6].strip('"') == queue, words[:7]  # KEYS[4]: the queue's list
     allowed = {shas[name] for name in ("claim", "ack_done", "renew", "journal_put", "journal_take")}
     assert set(scripts) <= allowed
     # each claim is sent inside kombu's transaction recording the delivery, not on its own

@@ -1,12 +1,20 @@
--- Journal a published message (self-contained: not prefixed with _common.lua).
+-- Journal a published message (self-contained: not prefixed with _common.lua); with KEYS[4],
+-- publish it too, in the same step.
 -- KEYS[1] = journaled messages of the queue       ({q}:j)
 -- KEYS[2] = their recover times, ms               ({q}:jt)
 -- KEYS[3] = their re-publish counts               ({q}:jn)
+-- KEYS[4] = the Redis broker's list of the queue (kombu's), or absent: the message is then
+--           published on its own
 -- ARGV[1] = task id (the attempt's claim id)
 -- ARGV[2] = the message (JSON envelope)
 -- ARGV[3] = ms after the publish (or the ETA) before recovery may act
 -- ARGV[4] = the message's ETA in epoch ms, or '' for none
+-- ARGV[5] = with KEYS[4]: the message as kombu pushes it to that list
 -- returns: the recover time (epoch ms, the server's clock)
+if #KEYS == 4 then
+  -- first: a push the server refuses journals nothing (the publish fails, as kombu's would)
+  redis.call('LPUSH', KEYS[4], ARGV[5])
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local from = now
