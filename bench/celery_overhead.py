@@ -9,8 +9,13 @@ tasks, then N tasks of 10 ms), one batch per variant back to back, in a rotated 
 round. A batch is timed from its first publish until the queue and kombu's unacked set are
 both empty (every task acked; ``task_acks_late`` for all variants), so the producer-side work
 of celery-once and celery-singleton (their lock is taken when a task is sent) counts too.
-Each variant's time is reported as a ratio to plain Celery's time in the same round. Needs
-``celery-once`` and ``celery-singleton`` (``pip install -e .[bench]``).
+Each variant's time is reported as a ratio to plain Celery's time in the same round; each
+kind's batches of a round start after an untimed batch (the first batch after a change of pace
+ran up to 1.7x slower, whichever variant it was). Beside the time, the CPU each message cost
+(Linux schedstat): the worker's main process, its pool processes, the broker's redis-server,
+the producer's publishing thread (this process), and their sum, which on 2 busy cores is what
+the time follows, with less noise. Needs ``celery-once`` and ``celery-singleton``
+(``pip install -e .[bench]``).
 
 ``--baseline TREE`` adds the variants ``claims-base`` and ``claims-sep-base``: the ``claims``
 worker (with the store on the broker, and on a server of its own) run from another checkout
@@ -53,6 +58,8 @@ BASELINE: Path | None = None
 BASE_VARIANTS = ("claims-base", "claims-sep-base")
 #: Where each worker's main-thread profile goes (``--profile``), or None.
 PROFILE_DIR: Path | None = None
+#: CPU time of the last batch's publishes in this process (the producer), in s.
+PUBLISH_CPU_S = 0.0
 
 
 def start_worker(
@@ -103,9 +110,12 @@ def run_batch(
     sender = app.tasks[task]
     offset = int(time.time() * 1000) * 10_000  # unique args: celery-once/singleton key on them
     start = time.perf_counter()
+    cpu_start = time.thread_time()
     with app.producer_or_acquire() as producer:
         for i in range(n):
             sender.apply_async((offset + i,), queue=queue, producer=producer)
+    global PUBLISH_CPU_S
+    PUBLISH_CPU_S = time.thread_time() - cpu_start
     deadline = time.monotonic() + timeout
     while client.llen(queue) or client.hlen("unacked"):
         if time.monotonic() > deadline:
@@ -242,8 +252,15 @@ def main() -> None:
                                 (b - a) / 1000 / tasks
                                 for a, b in zip(cpu_before, cpu_after, strict=True)
                             )
+                            producer_us = PUBLISH_CPU_S * 1e6 / tasks
                             cpus.setdefault((pool, kind, variant), []).append(
-                                (main_us, pool_us, server_us)
+                                (
+                                    main_us,
+                                    pool_us,
+                                    server_us,
+                                    producer_us,
+                                    main_us + pool_us + server_us + producer_us,
+                                )
                             )
                             if "sep" in variant:
                                 # the last records and keeper beats may come after the acks
@@ -257,12 +274,14 @@ def main() -> None:
                             ratios.setdefault((pool, kind, variant), []).append(ratio)
                             per = calls.get((pool, kind, variant), [])
                             on_store = f"  {per[-1]:.2f} store script calls/msg" if per else ""
-                            main_us, pool_us, server_us = cpus[(pool, kind, variant)][-1]
+                            main_us, pool_us, server_us, producer_us, total_us = cpus[
+                                (pool, kind, variant)
+                            ][-1]
                             print(
                                 f"round {rnd + 1} {pool:7} {kind:4} {variant:9} {took:7.3f} s "
                                 f"{tasks / took:7.0f} tasks/s  x{ratio:.3f}  CPU us/msg main "
-                                f"{main_us:.0f} pool {pool_us:.0f} broker {server_us:.0f}"
-                                f"{on_store}",
+                                f"{main_us:.0f} pool {pool_us:.0f} broker {server_us:.0f} "
+                                f"producer {producer_us:.0f} total {total_us:.0f}{on_store}",
                                 flush=True,
                             )
             finally:
@@ -276,13 +295,15 @@ def main() -> None:
     print(f"\n{tasks} tasks per batch, {rounds} round(s); ratio = time / plain Celery's time")
     print("store calls: EVALSHA on the separate claim store per message, median (claims-sep's")
     print("producer journals: one of them per message is its publish journal write)")
-    print("CPU: µs per message of the worker's main process, its pool processes and the")
-    print("broker's redis-server (median of the rounds; x = against plain Celery's)")
+    print("CPU: µs per message of the worker's main process, its pool processes, the")
+    print("broker's redis-server, the producer's publishing thread (this process) and their")
+    print("sum (median of the rounds; x = against plain Celery's). On a machine whose cores")
+    print("the batch keeps busy, the sum is what the time follows, with less noise")
     print(
         "| pool | tasks | variant | tasks/s (median) | ratio per round | median ratio "
-        "| CPU main | CPU pool | CPU broker | store calls |"
+        "| CPU main | CPU pool | CPU broker | CPU producer | CPU total | store calls |"
     )
-    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for pool in pools:
         for kind, _ in KINDS:
             plain = cpus[(pool, kind, "plain")]

@@ -8,13 +8,17 @@ restart) takes the only copy with it: visibility-timeout restore cannot bring ba
 
 - **Producer** (:class:`ProducerJournal`, set up by ``install(app)``, which runs in producer
   processes too): every message ``app.send_task`` publishes (``apply_async``, ``retry``,
-  ``replace``, canvas, beat) is written to the claim store's journal of its queue once the
-  broker has taken it: one round trip, keyed by the attempt's claim id, with the time after
-  which recovery may act (``claims_journal_recover_after_ms`` after the publish, or after the
-  ETA). It is written after the publish, not before: a publish that raised must not be
-  re-published behind the caller's back. A failed write never fails the publish: it is
-  logged and counted (``journal_write_failed``), and for :data:`RETRY_AFTER_S` after it the
-  process does not try again, so an unreachable store does not slow every publish.
+  ``replace``, canvas, beat) is written to the claim store's journal of its queue, keyed by
+  the attempt's claim id, with the time after which recovery may act
+  (``claims_journal_recover_after_ms`` after the publish, or after the ETA). Where the claim
+  store is the Redis broker's server, the publish itself carries it: kombu's push of the
+  message to the queue's list and the journal entry are one script, the push first
+  (:class:`~celery_claims.worker.compat.PublishRide`). Elsewhere it is written once the
+  broker has taken the message, without waiting for the reply: after the publish, not
+  before, since a publish that raised must not be re-published behind the caller's back. A
+  failed write never fails the publish: it is logged and counted (``journal_write_failed``),
+  and for :data:`RETRY_AFTER_S` after it the process does not try again, so an unreachable
+  store does not slow every publish.
 - **Worker** (:class:`WorkerJournal`, one per worker, driven by the lease keeper's beat): the
   entry of every message the worker acks (done, skipped as done, failed, given up, rejected,
   revoked) is cleared, batched into one pipeline per queue per beat; and every
