@@ -22,10 +22,12 @@ wrapper runs in the process that runs the body:
   broker's own server, the worker asks (``SETTLE_KEY``) for the record to be written with
   the removal of the delivery from kombu's unacked set, in one script, waited for here: the
   worker's ack then only forgets the delivery (``Lifecycle.pool_settle``). With a store
-  apart, when the lease handed to the pool cannot have run out, a prefork pool process
-  sends the record without waiting for its reply and the worker writes it again before its
-  ack. Either way a main process paused or killed before its ack cannot let the task run
-  again;
+  apart, a prefork pool process (or a pool thread) records it as above and the worker acks
+  without a write of its own; only where the worker writes the record itself before its ack
+  (``ack_records``: the body runs on the event loop's thread, or the broker's keys are
+  prefixed) and the lease handed to the pool cannot have run out does a prefork pool
+  process send the record without waiting for its reply. Either way a main process paused
+  or killed before its ack cannot let the task run again;
 - after the body raised, the same check as before the body.
 
 A store that does not answer is waited for (bounded by ``claims_start_timeout_ms``), then

@@ -127,11 +127,18 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
         self.keeper = Keeper(self.runtime)
         # the ack carries the completion where the store is the Redis broker's own server
         self.runtime.life.ride_acks = store_is_broker(w.app, self.runtime.manager.client)
-        # a pool process leaves the record of a task after whose body nothing can fail to the
-        # worker, which writes it before the ack (in the ack's script, or on its pipe)
-        self.runtime.life.records_left = True
+        # Where nothing can fail after a task's body, its record goes with the ack. With the
+        # store on the broker the process that ran the body sends both in one script
+        # (Lifecycle.pool_settle). With a store apart and the body in a pool process or
+        # thread of its own (prefork, threads), that process records it, waiting for the
+        # store, and the worker acks without a write of its own: one store call per message
+        # fewer, and the loop waits for nothing. Where the body runs on the event loop's own
+        # thread (solo, gevent, eventlet) the worker writes the record on its pipe instead,
+        # without holding up the loop, before the ack.
+        left = self.runtime.life.ride_acks or pool not in ("prefork", "threads")
+        self.runtime.life.records_left = left
         # before the pool forks and the consumer builds its tracers, which capture task.run
-        guard_tasks(w.app, settings, self.runtime.manager, ack_records=True)
+        guard_tasks(w.app, settings, self.runtime.manager, ack_records=left)
         # what the worker's tasks publish is journaled with the worker's settings (also before
         # the fork, so every pool process inherits them)
         connect_producer(w.app).configure(settings)

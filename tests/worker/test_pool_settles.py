@@ -80,3 +80,48 @@ def test_pool_processes_settle_their_copies_and_the_event_loop_sends_no_ack(
     # and nobody sent kombu's own ack (ZREM / HDEL of the delivery)
     acks = [w for _, w in commands if w[0] in ("ZREM", "HDEL") and w[1].strip('"') in UNACKED]
     assert acks == []
+
+
+def test_with_a_store_apart_pool_processes_record_and_the_worker_writes_nothing_more(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given a prefork worker whose claim store is a server of its own (as with RabbitMQ)
+    store_server = RedisServer().start()
+    try:
+        broker, queue = private_redis.url, unique("q")
+        fleet.worker(
+            "a",
+            broker=broker,
+            backend=broker,
+            queue=queue,
+            concurrency=2,
+            app=APP,
+            extra=("--claims-redis-url", store_server.url),
+        ).wait_ready()
+        client = fleet.client(broker, broker, queue)
+        redis = fleet.redis(broker)
+        with RedisClaimManager(url=store_server.url, prefix="claims") as store:
+            shas = {name: script.sha for name, script in store.scripts.items()}
+            client.send_task("defects.quiet", args=(0,))
+            wait_for(lambda: store.stats().acks == 1, timeout=30, what="the warm-up task")
+
+            # When a batch of tasks runs
+            monitor = Monitor(store_server)
+            ids = [client.send_task("defects.quiet", args=(i,)).id for i in range(TASKS)]
+            wait_for(lambda: store.stats().acks == TASKS + 1, timeout=60, what="the batch")
+            wait_for(lambda: redis.hlen("unacked") == 0, timeout=10, what="every delivery gone")
+            commands = monitor.stop()
+
+            # Then every task is recorded done and its message acked
+            for task_id in ids:
+                record = store.done_record(queue, claim_task_id(task_id, Attempt(0, 0)))
+                assert record is not None, f"{task_id} has no completion record"
+            assert redis.llen(queue) == 0
+    finally:
+        store_server.cleanup()
+    scripts = Counter(words[1] for _, words in commands if words[0] == "EVALSHA")
+    # the worker's claims (one call each, or fewer when they share a claim_many call) and one
+    # record per message, written by the pool process that ran it; none written again
+    assert scripts[shas["release"]] == TASKS
+    assert scripts[shas["ack_done"]] == 0, "the worker wrote a record its pool process wrote"
+    assert scripts[shas["claim"]] + scripts[shas["claim_many"]] <= TASKS
