@@ -119,9 +119,32 @@ def profile_main_process(path: str) -> None:
         profiler.dump_stats(path)
 
 
+def profile_pool_processes(path: str) -> None:
+    """Profile each prefork pool process (cProfile) from ``worker_process_init`` until it
+    ends, one file per process: ``path`` with the pid appended (``BENCH_PROFILE``)."""
+    import atexit
+    import cProfile
+
+    from celery.signals import worker_process_init, worker_process_shutdown
+
+    profiler = cProfile.Profile()
+
+    def _stop(**_: Any) -> None:
+        profiler.disable()
+        profiler.dump_stats(f"{path}.pool-{os.getpid()}")
+
+    @worker_process_init.connect(weak=False)
+    def _start(**_: Any) -> None:
+        atexit.register(_stop)
+        profiler.enable()
+
+    worker_process_shutdown.connect(_stop, weak=False)
+
+
 if "BENCH_URL" in os.environ and "BENCH_VARIANT" in os.environ:
     if os.environ.get("BENCH_PROFILE"):
         profile_main_process(os.environ["BENCH_PROFILE"])
+        profile_pool_processes(os.environ["BENCH_PROFILE"])
     app = build(
         os.environ["BENCH_VARIANT"], os.environ["BENCH_URL"], os.environ.get("BENCH_QUEUE", "b")
     )
