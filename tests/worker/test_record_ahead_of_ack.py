@@ -4,7 +4,9 @@ With the claim store on the Redis broker, the worker's ack writes the completion
 same script that removes the delivery (``ack_done.lua``). The ack comes from the main process,
 after the pool process has handed it the result; a main process paused past the lease (a GC
 pause, a frozen VM) at that moment used to let the message be restored and another worker run
-the finished task again. The pool process now sends the record before the result leaves it.
+the finished task again. The pool process now writes the record before the result leaves it:
+with the store on the broker it settles the copy (record and delivery removal in one script),
+with a store apart it records it and the worker acks without a write of its own.
 """
 
 from __future__ import annotations
