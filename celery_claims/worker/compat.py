@@ -705,7 +705,6 @@ def wrap_task_sender(app: Any, on_producer: Callable[[Any], object]) -> None:
     amqp.send_task_message = send_task_message
 
 
-@dataclass(eq=False)
 class PublishRide:
     """The publish journal's write riding kombu's own ``LPUSH`` on the Redis broker.
 

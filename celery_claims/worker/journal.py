@@ -429,25 +429,29 @@ class ProducerJournal:
             or time.monotonic() < self._skip_until
         ):
             return None
-        envelope = capture.envelope
         try:
-            assert self._settings is not None
-            queue_id = self._queues.queue_of(
-                {"exchange": envelope.exchange, "routing_key": envelope.routing_key}
-            )
+            store, queue_id, put = self._put_call(capture.envelope)
             if queue_id != queue:
                 return None  # routed elsewhere too (or otherwise): journaled on its own
-            store = self._store()
-            put = store.put_call(
-                queue_id,
-                envelope.task_key,
-                envelope.dumps(),
-                recover_after_ms=self._settings.journal_recover_after_ms,
-                eta_ms=envelope.eta_ms,
-            )
             return store.publish_call(put, list_key, payload)
         except Exception:  # the write on its own says what is wrong
             return None
+
+    def _put_call(self, envelope: Envelope) -> tuple[RedisJournal, str, ScriptCall[int]]:
+        """The journal's store, the queue ``envelope`` goes to, and its unsent entry."""
+        assert self._settings is not None
+        queue_id = self._queues.queue_of(
+            {"exchange": envelope.exchange, "routing_key": envelope.routing_key}
+        )
+        store = self._store()
+        put = store.put_call(
+            queue_id,
+            envelope.task_key,
+            envelope.dumps(),
+            recover_after_ms=self._settings.journal_recover_after_ms,
+            eta_ms=envelope.eta_ms,
+        )
+        return store, queue_id, put
 
     def _rode(self) -> None:
         capture = _publishing.get()
@@ -472,18 +476,7 @@ class ProducerJournal:
             if time.monotonic() < self._skip_until:
                 self.counters.incr("journal_write_failed")
                 return
-            assert self._settings is not None
-            queue_id = self._queues.queue_of(
-                {"exchange": envelope.exchange, "routing_key": envelope.routing_key}
-            )
-            store = self._store()
-            call = store.put_call(
-                queue_id,
-                envelope.task_key,
-                envelope.dumps(),
-                recover_after_ms=self._settings.journal_recover_after_ms,
-                eta_ms=envelope.eta_ms,
-            )
+            store, _, call = self._put_call(envelope)
             if ScriptSender.usable(store.client):
                 self._sender.send(store.client, call)
                 return  # counted by _replied

@@ -28,35 +28,52 @@ APP = "tests.worker.apps.defects_app"
 TASKS = 30
 
 
-def test_pool_processes_settle_their_copies_and_the_event_loop_sends_no_ack(
-    fleet: Fleet, private_redis: RedisServer
-) -> None:
-    # Given a prefork worker (2 pool processes) with the claim store on its Redis broker
+def _run_a_batch(
+    fleet: Fleet, private_redis: RedisServer, store_server: RedisServer
+) -> tuple[dict[str, str], list[tuple[str, list[str]]]]:
+    """Start a prefork worker (2 pool processes) with its claim store on ``store_server``,
+    run a batch of tasks with nothing after their body, watching the store with MONITOR;
+    check every task is recorded done and its message gone from the broker. Returns the
+    store's script SHAs by name and the commands the store received."""
     broker, queue = private_redis.url, unique("q")
     fleet.worker(
-        "a", broker=broker, backend=broker, queue=queue, concurrency=2, app=APP
+        "a",
+        broker=broker,
+        backend=broker,
+        queue=queue,
+        concurrency=2,
+        app=APP,
+        # the store on the broker: the default (no URL of its own)
+        extra=() if store_server is private_redis else ("--claims-redis-url", store_server.url),
     ).wait_ready()
     client = fleet.client(broker, broker, queue)
     redis = fleet.redis(broker)
-    with RedisClaimManager(url=broker, prefix="claims") as store:
+    with RedisClaimManager(url=store_server.url, prefix="claims") as store:
         shas = {name: script.sha for name, script in store.scripts.items()}
         client.send_task("defects.quiet", args=(0,))  # warm-up: connections, scripts
         wait_for(lambda: store.stats().acks == 1, timeout=30, what="the warm-up task")
 
-        # When a batch of tasks runs
-        monitor = Monitor(private_redis)
+        monitor = Monitor(store_server)
         ids = [client.send_task("defects.quiet", args=(i,)).id for i in range(TASKS)]
         wait_for(lambda: store.stats().acks == TASKS + 1, timeout=60, what="the batch")
         wait_for(lambda: redis.hlen("unacked") == 0, timeout=10, what="every delivery gone")
         commands = monitor.stop()
 
-        # Then every task is recorded done and its message gone from the broker
         for task_id in ids:
             record = store.done_record(queue, claim_task_id(task_id, Attempt(0, 0)))
             assert record is not None, f"{task_id} has no completion record"
         assert redis.zcard("unacked_index") == 0
         assert redis.llen(queue) == 0
         assert store.active_claims(queue) == 0
+    return shas, commands
+
+
+def test_pool_processes_settle_their_copies_and_the_event_loop_sends_no_ack(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given a prefork worker with the claim store on its Redis broker, when a batch of tasks
+    # runs: every task is recorded done and its message gone from the broker
+    shas, commands = _run_a_batch(fleet, private_redis, private_redis)
 
     by_client: dict[str, list[list[str]]] = {}
     for client_id, words in commands:
@@ -85,38 +102,11 @@ def test_pool_processes_settle_their_copies_and_the_event_loop_sends_no_ack(
 def test_with_a_store_apart_pool_processes_record_and_the_worker_writes_nothing_more(
     fleet: Fleet, private_redis: RedisServer
 ) -> None:
-    # Given a prefork worker whose claim store is a server of its own (as with RabbitMQ)
+    # Given a prefork worker whose claim store is a server of its own (as with RabbitMQ),
+    # when a batch of tasks runs: every task is recorded done and its message acked
     store_server = RedisServer().start()
     try:
-        broker, queue = private_redis.url, unique("q")
-        fleet.worker(
-            "a",
-            broker=broker,
-            backend=broker,
-            queue=queue,
-            concurrency=2,
-            app=APP,
-            extra=("--claims-redis-url", store_server.url),
-        ).wait_ready()
-        client = fleet.client(broker, broker, queue)
-        redis = fleet.redis(broker)
-        with RedisClaimManager(url=store_server.url, prefix="claims") as store:
-            shas = {name: script.sha for name, script in store.scripts.items()}
-            client.send_task("defects.quiet", args=(0,))
-            wait_for(lambda: store.stats().acks == 1, timeout=30, what="the warm-up task")
-
-            # When a batch of tasks runs
-            monitor = Monitor(store_server)
-            ids = [client.send_task("defects.quiet", args=(i,)).id for i in range(TASKS)]
-            wait_for(lambda: store.stats().acks == TASKS + 1, timeout=60, what="the batch")
-            wait_for(lambda: redis.hlen("unacked") == 0, timeout=10, what="every delivery gone")
-            commands = monitor.stop()
-
-            # Then every task is recorded done and its message acked
-            for task_id in ids:
-                record = store.done_record(queue, claim_task_id(task_id, Attempt(0, 0)))
-                assert record is not None, f"{task_id} has no completion record"
-            assert redis.llen(queue) == 0
+        shas, commands = _run_a_batch(fleet, private_redis, store_server)
     finally:
         store_server.cleanup()
     scripts = Counter(words[1] for _, words in commands if words[0] == "EVALSHA")
