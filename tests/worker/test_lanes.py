@@ -14,8 +14,13 @@ from tests.worker.processes import Fleet
 
 pytestmark = pytest.mark.slow
 
-#: The scenario of the issue: limit 2 across 2 workers x prefork -c 2, 20 tasks of 1 s.
+#: The scenario of the issue: limit 2 across 2 prefork workers, 20 tasks of 1 s.
 LIMIT, TASKS, TASK_S = 2, 20, 1.0
+#: One pool process more than the lane's limit per worker: a worker running both lane tasks
+#: still has a free process, so the other queue's task never waits for Celery's pool. With -c 2
+#: it could be prefetched by the worker running both lane tasks and start only when they ended
+#: (a CI run under load counted 0 lane runs around it).
+CONCURRENCY = LIMIT + 1
 #: Re-check period of a full lane in these tests.
 RECHECK_MS = 500
 #: Journal recovery acts this soon after a publish (twice the ~10 s the lane needs), so a message
@@ -38,7 +43,7 @@ def _runs(log: list[dict[str, Any]], killed: dict[str, float]) -> list[tuple[flo
 def test_a_lane_limit_holds_across_workers_while_other_queues_flow_and_a_killed_worker_loses_nothing(  # noqa: E501
     request: pytest.FixtureRequest, broker: str, fleet: Fleet, private_redis: RedisServer
 ) -> None:
-    # Given lane "video" (limit 2) on the queue, and 2 workers x prefork -c 2 consuming it
+    # Given lane "video" (limit 2) on the queue, and 2 workers x prefork -c 3 consuming it
     # and a second queue outside the lane
     backend, queue = private_redis.url, unique("q")
     other = f"{queue}-other"
@@ -48,7 +53,8 @@ def test_a_lane_limit_holds_across_workers_while_other_queues_flow_and_a_killed_
     workers = {
         name: lanes_worker(
             fleet, name, broker=broker, backend=backend, queue=queue, lanes=lanes,
-            lane_recheck_ms=RECHECK_MS, journal_recover_after_ms=RECOVER_AFTER_MS,
+            concurrency=CONCURRENCY, lane_recheck_ms=RECHECK_MS,
+            journal_recover_after_ms=RECOVER_AFTER_MS,
         )
         for name in ("a", "b")
     }  # fmt: skip
@@ -65,12 +71,14 @@ def test_a_lane_limit_holds_across_workers_while_other_queues_flow_and_a_killed_
     results = [
         client.send_task("lanes.work", (TASK_S,), task_id=f"video-{i}") for i in range(TASKS)
     ]
-    # ... and, once the lane is full, a task on the other queue
-    wait_for(
-        lambda: sum(e["event"] == "held" for e in events(backend, queue)) >= 2,
-        timeout=30,
-        what="messages held by the full lane",
-    )
+
+    # ... and, once the lane is full (its 2 tasks started, others held), a task on the other queue
+    def lane_full() -> bool:
+        log = events(backend, queue)
+        started = sum(e["event"] == "start" for e in log)
+        return started >= LIMIT and sum(e["event"] == "held" for e in log) >= 2
+
+    wait_for(lane_full, timeout=30, what="the lane's tasks running and messages held")
     side = client.send_task("lanes.work", (0.1,), task_id="side-1", queue=other)
     side.get(timeout=30)
     # ... and then the worker holding the most waiting lane messages is SIGKILLed
@@ -106,7 +114,11 @@ def test_a_lane_limit_holds_across_workers_while_other_queues_flow_and_a_killed_
 
     # ... the other queue's task ran while the lane was full (2 lane tasks running around it)
     side_start, side_end = _runs([e for e in log if e.get("id") == "side-1"], killed)[0]
-    assert sum(1 for s, e in lane_runs if s <= side_start and e >= side_end) == LIMIT
+    around = [(s, e) for s, e in lane_runs if s <= side_start and e >= side_end]
+    assert len(around) == LIMIT, (
+        side_start, side_end, sorted(lane_runs),
+        [(e["event"], e.get("id"), e.get("worker"), e["at"]) for e in log],
+    )  # fmt: skip
     later = [s for s, _ in lane_runs if s > side_end]
     assert len(later) >= 4, "the side task did not finish while lane tasks still waited"
 
