@@ -293,6 +293,8 @@ class RedisClaimManager:
         self._scripts: dict[str, Script] = {
             name: client.register_script(_source(name)) for name in _SCRIPTS
         }
+        # how single calls are sent (send_calls_with), or None: through the client
+        self._send: Callable[[ScriptCall[Any]], Any] | None = None
 
     def close(self) -> None:
         """Close the client if this manager created it from ``url=`` (a passed one is yours)."""
@@ -417,9 +419,17 @@ class RedisClaimManager:
             BackendError: any other store error.
             ClaimTokenError: the call's own refusal (see its operation).
         """
+        send = self._send
         with translate_errors():
-            reply = call.script(keys=call.keys, args=call.args)
+            reply = call.script(keys=call.keys, args=call.args) if send is None else send(call)
         return call.decode(reply)
+
+    def send_calls_with(self, send: Callable[[ScriptCall[Any]], Any] | None) -> None:
+        """Send every single call (:meth:`execute`) with ``send(call)``, which returns the
+        call's raw reply or raises redis-py's errors: a connection kept by the caller (a
+        worker's pool process keeps one, ``celery_claims.worker.sender.ScriptCaller``).
+        None: through the client again."""
+        self._send = send
 
     def execute_many(self, calls: Sequence[ScriptCall[_T]]) -> list[_T]:
         """Send ``calls`` in one pipelined round trip (one by one on Redis Cluster, whose

@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import celery
 import kombu
+import redis
 from celery import signals as celery_signals
 from celery.utils.log import get_logger
 from celery.utils.saferepr import saferepr
@@ -32,6 +33,7 @@ from kombu.utils import json
 from celery_claims.claims.redis import ScriptCall
 from celery_claims.connection import server_of
 from celery_claims.safety import KOMBU_DEFAULT_VISIBILITY_TIMEOUT_S
+from celery_claims.worker.sender import ScriptCaller
 
 __all__ = [
     "TESTED",
@@ -715,7 +717,8 @@ class PublishRide:
     (``journal_put.lua`` with the list key): the journal costs no write and no round trip of
     its own, and the message is never in the queue unjournaled. What kombu's ``_put`` does
     besides (kombu 5.7's publish batches, queues with an expiry) and a channel whose
-    transport prefixes keys get kombu's own ``_put``, and the journal writes on its own.
+    transport prefixes keys get kombu's own ``_put``, and the journal writes on its own. The
+    script goes on a connection the ride keeps, made from the channel's pool (``pool``).
     Read in kombu 5.3 to 5.7 (``kombu/transport/redis.py``).
     """
 
@@ -762,6 +765,8 @@ class PublishRide:
         if server is None or server != _server_of(store_client):
             return False
 
+        caller = ScriptCaller()
+
         def _put(queue: Any, message: Any, **kwargs: Any) -> Any:
             expires = getattr(channel, "_expires", None)
             if kwargs.get("_publish_batch") is None and not (expires and queue in expires):
@@ -771,9 +776,17 @@ class PublishRide:
                 payload = dumps(message)
                 call = ride(str(queue), str(list_key), payload)
                 if call is not None:
-                    # kombu's _put, and the journal entry, in one script
-                    with channel.conn_or_acquire() as client:
-                        call.script(keys=call.keys, args=call.args, client=client)
+                    # kombu's _put, and the journal entry, in one script: on a connection
+                    # made from the channel's own pool (kombu's settings), kept for the
+                    # ride, where the pool is a standalone server's (the CPU of a call
+                    # through a client is 3 times a kept connection's, docs/benchmarks.md);
+                    # a connection error is redis-py's, for kombu's publish retry
+                    pool = channel.pool
+                    if type(pool) is redis.ConnectionPool:
+                        caller.call(pool, call)
+                    else:
+                        with channel.conn_or_acquire() as client:
+                            call.script(keys=call.keys, args=call.args, client=client)
                     rode()
                     return None
             return kombu_put(channel, queue, message, **kwargs)

@@ -57,7 +57,7 @@ from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
 from celery_claims.fencing import TaskClaim
 from celery_claims.worker.policy import is_exempt
 from celery_claims.worker.recovery import Verdict, record_done, recover
-from celery_claims.worker.sender import ScriptSender
+from celery_claims.worker.sender import ScriptCaller, ScriptSender, usable
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.store import new_manager
 
@@ -171,8 +171,9 @@ class _Verifier:
         self._parent_manager = manager
         self._manager: RedisClaimManager | None = None
         self._pid = -1
-        # used in pool processes only, each with a connection of its own
+        # used in pool processes only, each with connections of its own
         self._sender = ScriptSender(_record_reply)
+        self._caller = ScriptCaller()
         self._lock = threading.Lock()
 
     def manager(self) -> RedisClaimManager:
@@ -182,8 +183,13 @@ class _Verifier:
         with self._lock:
             if self._manager is None or self._pid != pid:
                 # a prefork child: never share the parent's sockets across fork
-                self._manager = new_manager(self.settings)
-                self._pid = pid
+                manager = new_manager(self.settings)
+                pool = getattr(manager.client, "connection_pool", None)
+                if usable(manager.client):
+                    # its calls on a connection kept for them: a third of the CPU of the
+                    # client's (docs/benchmarks.md), which a no-op task's settle pays
+                    manager.send_calls_with(functools.partial(self._caller.call, pool))
+                self._manager, self._pid = manager, pid
             return self._manager
 
     def still_mine(self, claim: TaskClaim) -> bool:
@@ -236,7 +242,7 @@ class _Verifier:
             call = manager.complete_call(claim.token(), self.settings.done_ttl_ms)
         except ClaimError:
             return
-        if not ScriptSender.usable(manager.client):
+        if not usable(manager.client):
             return  # Sentinel, Cluster: the ack records it
         try:
             self._sender.send(manager.client, call)

@@ -1,4 +1,9 @@
-"""Script calls sent on a connection of their own, without waiting for their replies.
+"""Script calls on connections the package keeps itself, outside redis-py's client.
+
+:class:`ScriptSender` sends calls without waiting for their replies; :class:`ScriptCaller`
+waits for each reply, on a connection kept for it (redis-py's ``Script.__call__`` through its
+client costs about three times the CPU of the same call on a kept ``Connection``, see
+docs/benchmarks.md).
 
 Two writes of the package must leave a process at once but need not hold it up for the
 store's answer: a prefork pool process's completion record, sent ahead of the worker's ack
@@ -9,8 +14,8 @@ after) and the replies are read later, as they come, before each later send or b
 :meth:`ScriptSender.drain`. Each reply is handed to the sender's ``on_reply``: the script's
 raw reply, or the error it ended with.
 
-Standalone stores only (:meth:`ScriptSender.usable`): a Sentinel or Cluster client chooses
-its server per command, so the callers write on their own there.
+Standalone stores only (:func:`usable`): a Sentinel or Cluster client chooses its server per
+command, so the callers go through the client there.
 """
 
 from __future__ import annotations
@@ -22,14 +27,14 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
 from celery_claims.claims.redis import ScriptCall
 from celery_claims.errors import BackendUnavailable, InvalidArgument
 
-__all__ = ["ScriptSender"]
+__all__ = ["ScriptCaller", "ScriptSender", "usable"]
 
 
 #: ``on_reply(reply, error)``: the script's raw reply and None, or None and the error.
@@ -40,16 +45,59 @@ def _ignore(reply: Any, error: BaseException | None) -> None:
     return None
 
 
-#: Every sender of this process, reset in a forked child (``os.register_at_fork``).
-_SENDERS: weakref.WeakSet[ScriptSender] = weakref.WeakSet()
+class _Forkable(Protocol):
+    def _forked(self) -> None: ...
+
+
+#: Every sender and caller of this process, reset in a forked child (``os.register_at_fork``).
+_KEPT: weakref.WeakSet[_Forkable] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    for sender in list(_SENDERS):
-        sender._forked()
+    for kept in list(_KEPT):
+        kept._forked()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def usable(client: Any) -> bool:
+    """True if ``client``'s server can be written on a kept connection (a standalone client)."""
+    return type(getattr(client, "connection_pool", None)) is redis.ConnectionPool
+
+
+def _commands(call: ScriptCall[Any], loaded: set[str]) -> list[tuple[Any, ...]]:
+    """The commands of ``call`` on a connection that has the scripts ``loaded``: its
+    ``EVALSHA``, after a ``SCRIPT LOAD`` of it in the same write the first time (a fresh or
+    restarted store knows no script, and loading is idempotent)."""
+    sha = call.script.sha
+    evalsha = ("EVALSHA", sha, len(call.keys), *call.keys, *call.args)
+    if sha in loaded:
+        return [evalsha]
+    loaded.add(sha)
+    return [("SCRIPT", "LOAD", call.script.script), evalsha]
+
+
+def _pack(commands: list[tuple[Any, ...]], conn: Any) -> list[bytes]:
+    """``commands`` in RESP for ``conn.send_packed_command``, as redis-py's
+    ``pack_commands`` writes them, in a third of its time, for the arguments a script call
+    has (str, bytes, int); anything else is left to redis-py (which refuses what Redis
+    cannot take)."""
+    out: list[bytes] = []
+    encoding, errors = conn.encoder.encoding, conn.encoder.encoding_errors
+    for command in commands:
+        out.append(b"*%d\r\n" % len(command))
+        for arg in command:
+            if isinstance(arg, str):
+                data = arg.encode(encoding, errors)
+            elif isinstance(arg, bytes):
+                data = arg
+            elif type(arg) is int:
+                data = b"%d" % arg
+            else:
+                return list(conn.pack_commands(commands))
+            out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return [b"".join(out)]
 
 
 class ScriptSender:
@@ -83,7 +131,7 @@ class ScriptSender:
         # scripts loaded on this connection: a fresh or restarted store knows none, and a
         # NOSCRIPT reply would only come after the write was needed
         self._loaded: set[str] = set()
-        _SENDERS.add(self)
+        _KEPT.add(self)
 
     def _forked(self) -> None:
         """In a forked child: a lock another thread of the parent held, and the parent's
@@ -93,10 +141,7 @@ class ScriptSender:
         self._waiting.clear()
         self._loaded.clear()
 
-    @staticmethod
-    def usable(client: Any) -> bool:
-        """True if ``client``'s server can be written this way (a standalone client)."""
-        return type(getattr(client, "connection_pool", None)) is redis.ConnectionPool
+    usable = staticmethod(usable)
 
     def send(self, client: Any, call: ScriptCall[Any], on_reply: OnReply | None = None) -> None:
         """Write ``call`` on the connection (made from ``client``'s pool on first use); its
@@ -112,13 +157,7 @@ class ScriptSender:
             try:
                 conn = self._connection(client)
                 self._read_arrived(conn)
-                commands: list[tuple[Any, ...]] = []
-                sha = call.script.sha
-                if sha not in self._loaded:
-                    # loaded in the same write, ahead of its first use (idempotent)
-                    commands.append(("SCRIPT", "LOAD", call.script.script))
-                    self._loaded.add(sha)
-                commands.append(("EVALSHA", sha, len(call.keys), *call.keys, *call.args))
+                commands = _commands(call, self._loaded)
                 conn.send_packed_command(conn.pack_commands(commands))
                 self._waiting.extend([None] * (len(commands) - 1) + [on_reply or self.on_reply])
                 if len(self._waiting) > self.max_unread:
@@ -185,3 +224,119 @@ class ScriptSender:
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.disconnect()
+
+
+class ScriptCaller:
+    """Script calls waited for, each on a connection this process keeps for them.
+
+    The connections are made from the client's pool but never go back to it: taking one is a
+    ``list.pop``, where redis-py's pool takes a lock, checks and counts. Each remembers the
+    scripts loaded on it. Before a call, a kept connection the server closed meanwhile (a
+    restart, an idle timeout) is found and connected again, as redis-py's pool does; once a
+    call is written, nothing is sent again (the caller decides, as after any lost reply).
+    Safe across threads (each call takes a connection of its own) and across fork (a child
+    never touches its parent's).
+    """
+
+    def __init__(self) -> None:
+        self._free: list[_Kept] = []
+        self._pid = os.getpid()
+        _KEPT.add(self)
+
+    def _forked(self) -> None:
+        # the parent's sockets stay the parent's: dropped, not closed (redis-py's disconnect
+        # shuts a socket down only in the process that opened it)
+        self._free, self._pid = [], os.getpid()
+
+    usable = staticmethod(usable)
+
+    def call(self, pool: Any, call: ScriptCall[Any]) -> Any:
+        """Send ``call`` to the server of ``pool`` (a client's ``connection_pool``), wait
+        for its reply and return it (raw).
+
+        Raises:
+            redis.ConnectionError, redis.TimeoutError: the call may or may not have run; the
+                connection is dropped.
+            redis.ResponseError: the script's error (the connection is kept).
+            InvalidArgument: ``pool`` is not a standalone server's (:func:`usable`).
+        """
+        if type(pool) is not redis.ConnectionPool:
+            raise InvalidArgument("pool", "a standalone redis.ConnectionPool is needed")
+        if self._pid != os.getpid():
+            self._forked()  # forked without the hook (os.fork is not the only way)
+        try:
+            kept = self._free.pop()
+        except IndexError:
+            kept = _Kept(pool)
+        else:
+            if kept.pool is not pool:  # the client was replaced
+                kept.close()
+                kept = _Kept(pool)
+        try:
+            reply = kept.call(call)
+        except redis.ResponseError:
+            self._free.append(kept)
+            raise
+        except BaseException:
+            kept.close()
+            raise
+        self._free.append(kept)
+        return reply
+
+    def close(self) -> None:
+        """Close the kept connections (a later call makes a new one)."""
+        free, self._free = self._free, []
+        for kept in free:
+            kept.close()
+
+
+class _Kept:
+    """One connection of a :class:`ScriptCaller`, and the scripts loaded on it."""
+
+    __slots__ = ("conn", "loaded", "pool")
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.conn = pool.make_connection()
+        self.loaded: set[str] = set()
+
+    def call(self, call: ScriptCall[Any]) -> Any:
+        conn = self.conn
+        conn.connect()  # a no-op once connected
+        try:
+            if conn.can_read(timeout=0):  # a reply nobody asked for
+                raise redis.ConnectionError("unexpected data on a kept connection")
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            # closed by the server meanwhile: nothing was sent, so connecting again is safe
+            conn.disconnect()
+            self.loaded.clear()
+            conn.connect()
+        reply = self._send(call)
+        if isinstance(reply, redis.exceptions.NoScriptError):
+            # the store lost its scripts since they were loaded here (SCRIPT FLUSH)
+            self.loaded.clear()
+            reply = self._send(call)
+        if isinstance(reply, redis.ResponseError):
+            raise reply
+        return reply
+
+    def _send(self, call: ScriptCall[Any]) -> Any:
+        """Write ``call`` and read every reply it gets (errors too: the connection stays in
+        step); returns the script's reply, or the first error."""
+        conn = self.conn
+        commands = _commands(call, self.loaded)
+        conn.send_packed_command(_pack(commands, conn))
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except redis.ResponseError as exc:
+                replies.append(exc)
+        if len(replies) == 2 and isinstance(replies[0], redis.ResponseError):
+            self.loaded.discard(call.script.sha)  # not loaded after all
+            return replies[0]
+        return replies[-1]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.disconnect()

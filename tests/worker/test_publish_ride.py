@@ -101,3 +101,33 @@ def test_a_transport_that_prefixes_keys_publishes_as_kombu_does_and_journals_apa
     puts = [w for _, w in commands if w[:2] == ["EVALSHA", sha]]
     assert len(puts) == 1
     assert puts[0][2] == "3"  # the journal's own keys only
+
+
+def test_a_publish_after_the_broker_restarted_rides_on_a_new_connection(
+    private_redis: RedisServer, queue: str, key_prefix: str
+) -> None:
+    # Given a producer whose publishes ride on the connection it keeps for them
+    app = make_app(private_redis.url, queue=queue, claims_prefix=key_prefix)
+
+    @app.task(shared=False, name="t.echo", ignore_result=True)
+    def echo(i: int) -> int:
+        return i
+
+    try:
+        echo.delay(0)
+        with app.producer_or_acquire() as producer:
+            assert getattr(producer.channel, PublishRide.CACHED)[1] is True
+        # When the broker restarts (empty, its scripts gone) between two publishes
+        private_redis.restart()
+        sent = echo.delay(1)
+        # Then the publish is written on a new connection, its journal entry with it
+        with RedisClaimManager(url=private_redis.url, prefix=key_prefix) as store:
+            journal = RedisJournal(client=store.client, prefix=key_prefix)
+            assert private_redis.client().llen(queue) == 1
+            assert list(journal.entries(queue)) == [claim_task_id(sent.id, Attempt(0, 0))]
+            with in_process_worker(app) as worker:
+                counters = worker.claims.counters
+                wait_for(lambda: counters.get("completed") == 1, timeout=30, what="the task")
+            assert store.done_record(queue, claim_task_id(sent.id, Attempt(0, 0))) is not None
+    finally:
+        close_app(app)

@@ -1,0 +1,174 @@
+"""Script calls waited for on a connection the package keeps (``sender.ScriptCaller``).
+
+A worker's pool process sends its claim calls (the settle of a no-op task, the completion
+record, a renewal) this way instead of through redis-py's client, whose ``Script.__call__``
+costs about three times the CPU. What the client did for them, the caller must do too: load a
+script the server lost, find a connection the server closed before writing on it, keep a
+connection in step after an error reply, never read a late reply as the next call's, and never
+share a socket across fork. Each is checked here against a private ``redis-server``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from functools import partial
+
+import pytest
+import redis
+import redis.sentinel
+
+from celery_claims import ClaimToken, RedisClaimManager
+from celery_claims.claims.redis import ScriptCall
+from celery_claims.errors import InvalidArgument
+from celery_claims.model import Success
+from celery_claims.worker.sender import ScriptCaller
+from tests.servers import RedisServer, command_calls, redis_server
+
+OWNER = "w@host/1/n.1"
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with redis_server() as started:
+        yield started
+
+
+@pytest.fixture
+def caller() -> Iterator[ScriptCaller]:
+    kept = ScriptCaller()
+    try:
+        yield kept
+    finally:
+        kept.close()
+
+
+def echo_call(client: redis.Redis, source: str, *args: object) -> ScriptCall[object]:
+    """A call of the script ``source`` with ``args`` as its ARGV, its reply as it comes."""
+    return ScriptCall(client.register_script(source), [], list(args), lambda reply: reply)
+
+
+def echo(caller: ScriptCaller, client: redis.Redis, word: str) -> object:
+    """The reply to a call of ``return ARGV[1]`` with ``word``, through ``caller``."""
+    return caller.call(client.connection_pool, echo_call(client, "return ARGV[1]", word))
+
+
+def connections_made(observer: redis.Redis) -> int:
+    """Connections the server has taken so far (``observer`` keeps its own open)."""
+    return int(observer.info("stats")["total_connections_received"])
+
+
+def test_claim_calls_on_a_kept_connection_answer_as_through_the_client(
+    server: RedisServer, caller: ScriptCaller
+) -> None:
+    # Given a claim manager whose single calls go through the caller
+    client = server.client(socket_timeout=5)
+    manager = RedisClaimManager(client=client, prefix="kept")
+    manager.send_calls_with(partial(caller.call, client.connection_pool))
+    claimed = manager.claim("q", "t1", OWNER, 60_000)
+    assert isinstance(claimed, Success)
+    assert claimed.token is not None
+    observer = server.client()
+    made, loads = connections_made(observer), command_calls(observer)["script"]
+
+    # When it renews, completes and reads the claim many times
+    token = claimed.token
+    for _ in range(20):
+        [renewed] = manager.renew("q", [token], 60_000)
+        assert isinstance(renewed, ClaimToken)
+        assert renewed.instance == token.instance
+        assert renewed.expires_at >= token.expires_at
+        token = renewed
+    manager.complete(token, 60_000)
+
+    # Then each answered as through the client, on the one connection made for the first
+    # call, each script loaded on it once
+    record = manager.done_record("q", "t1")
+    assert record is not None
+    assert record.owner == OWNER
+    assert connections_made(observer) == made
+    assert command_calls(observer)["script"] - loads == 3  # renew, complete, done_record
+
+
+def test_a_script_the_server_lost_is_loaded_again(
+    server: RedisServer, caller: ScriptCaller
+) -> None:
+    client = server.client(socket_timeout=5)
+    call = echo_call(client, "return ARGV[1]", "before")
+    assert caller.call(client.connection_pool, call) == b"before"
+    # When the server forgets its scripts (SCRIPT FLUSH, as a restart with AOF does)
+    client.script_flush()
+    # Then the next call loads it again and is answered
+    assert echo(caller, client, "after") == b"after"
+
+
+def test_a_connection_the_server_closed_is_connected_again_before_the_call_is_written(
+    server: RedisServer, caller: ScriptCaller
+) -> None:
+    client = server.client(socket_timeout=5)
+    assert echo(caller, client, "one") == b"one"
+    # When the server restarts between two calls (the kept connection is closed by then)
+    server.restart()
+    # Then the next call is answered, on a new connection, with no error
+    assert echo(caller, client, "two") == b"two"
+
+
+def test_an_error_reply_is_raised_and_the_connection_stays_in_step(
+    server: RedisServer, caller: ScriptCaller
+) -> None:
+    client = server.client(socket_timeout=5)
+    assert echo(caller, client, "warm") == b"warm"
+    observer = server.client()
+    made = connections_made(observer)
+    with pytest.raises(redis.ResponseError, match="boom"):
+        caller.call(client.connection_pool, echo_call(client, "return redis.error_reply('boom')"))
+    # the same connection answers the next call with its own reply
+    assert echo(caller, client, "next") == b"next"
+    assert connections_made(observer) == made
+
+
+def test_a_reply_that_came_too_late_is_never_read_as_the_next_calls(
+    server: RedisServer, caller: ScriptCaller
+) -> None:
+    client = server.client(socket_timeout=0.3)
+    assert echo(caller, client, "warm") == b"warm"
+    # When the server stalls longer than the socket timeout while a call waits
+    stall = threading.Thread(target=lambda: server.client().execute_command("DEBUG", "SLEEP", 1))
+    stall.start()
+    time.sleep(0.1)
+    with pytest.raises(redis.TimeoutError):
+        echo(caller, client, "late")
+    stall.join()
+    # Then the next call gets its own reply, not the late one
+    assert echo(caller, client, "own") == b"own"
+
+
+def test_a_forked_child_calls_on_a_connection_of_its_own(
+    server: RedisServer, caller: ScriptCaller
+) -> None:
+    client = server.client(socket_timeout=5)
+    assert echo(caller, client, "parent") == b"parent"
+    observer = server.client()
+    made = connections_made(observer)
+    pid = os.fork()
+    if pid == 0:  # the child: its own reply, on its own connection
+        try:
+            reply = echo(caller, client, "child")
+            os._exit(0 if reply == b"child" else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # the parent's connection was neither used nor shut by the child
+    assert echo(caller, client, "again") == b"again"
+    assert connections_made(observer) - made == 1  # the child's
+
+
+def test_a_client_that_chooses_its_server_per_command_is_refused(caller: ScriptCaller) -> None:
+    sentinel = redis.sentinel.Sentinel([("127.0.0.1", 1)], socket_timeout=0.1)
+    client = sentinel.master_for("nobody")
+    call = echo_call(redis.Redis(), "return 1")
+    with pytest.raises(InvalidArgument, match="standalone"):
+        caller.call(client.connection_pool, call)
