@@ -428,7 +428,16 @@ class RedisClaimManager:
         """Send every single call (:meth:`execute`) with ``send(call)``, which returns the
         call's raw reply or raises redis-py's errors: a connection kept by the caller (a
         worker's pool process keeps one, ``celery_claims.worker.sender.ScriptCaller``).
-        None: through the client again."""
+        None: through the client again.
+
+        Raises:
+            InvalidArgument: the manager waits for replicas (``WAIT`` counts the writes of
+                the connection it is sent on, the client's, not the caller's).
+        """
+        if send is not None and self.waits_for_replicas:
+            raise InvalidArgument(
+                "send", "a manager that waits for replicas sends its calls through its client"
+            )
         self._send = send
 
     def execute_many(self, calls: Sequence[ScriptCall[_T]]) -> list[_T]:

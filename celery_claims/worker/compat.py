@@ -466,6 +466,10 @@ class BrokerRide:
     that removes the delivery only when the record is the copy's own), so claims cost no
     round trip of their own. The QoS methods are replaced on the channel's instance only
     (checked on kombu 5.3 to 5.7, whose ``append`` and ``ack`` are written the same way).
+    The append transaction goes on a connection kept for it, made from the channel's pool
+    (:meth:`~celery_claims.worker.sender.ScriptCaller.transaction`), where the pool is a
+    standalone server's; after a timeout or a dropped connection, and on other pools, it goes
+    through kombu's pipeline, with redis-py's retries.
 
     Attributes:
         qos: the channel's kombu Redis ``QoS``.
@@ -552,6 +556,9 @@ class BrokerRide:
             return True
         kombu_append = type(qos).append
         index_key, unacked_key = qos.unacked_index_key, qos.unacked_key
+        channel = qos.channel
+        caller = ScriptCaller()
+        close_with(channel, caller.close)  # its connections go with the channel's
 
         def append(message: Any, delivery_tag: Any) -> None:
             call = claim_for(message)
@@ -562,11 +569,27 @@ class BrokerRide:
             delivery = message.delivery_info
             dumps: Any = json.dumps
             raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
-            with qos.pipe_or_acquire() as pipe:
-                pipe.zadd(index_key, {delivery_tag: time.time()})
-                pipe.hset(unacked_key, delivery_tag, raw)
-                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-                replies = pipe.execute(raise_on_error=False)
+            score = repr(time.time())  # as redis-py writes a float
+            replies = None
+            pool = channel.pool
+            if type(pool) is redis.ConnectionPool:
+                # on a connection kept for it, made from the channel's own pool (kombu's
+                # settings): a third of the CPU of kombu's pipeline, which builds a client
+                # per call (docs/benchmarks.md)
+                commands = [("ZADD", index_key, score, delivery_tag)]
+                commands.append(("HSET", unacked_key, delivery_tag, raw))
+                try:
+                    replies = caller.transaction(pool, commands, call)
+                except (redis.ConnectionError, redis.TimeoutError):
+                    # run or not: kombu's own transaction, with redis-py's retries (every
+                    # write in it may run twice: the claim's owner claims again)
+                    replies = None
+            if replies is None:
+                with qos.pipe_or_acquire() as pipe:
+                    pipe.zadd(index_key, {delivery_tag: float(score)})
+                    pipe.hset(unacked_key, delivery_tag, raw)
+                    pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+                    replies = pipe.execute(raise_on_error=False)
             for reply in replies[:2]:
                 if isinstance(reply, Exception):
                     raise reply  # kombu's own write failed: as kombu's append would
@@ -766,6 +789,7 @@ class PublishRide:
             return False
 
         caller = ScriptCaller()
+        close_with(channel, caller.close)  # its connections go with the channel's
 
         def _put(queue: Any, message: Any, **kwargs: Any) -> Any:
             expires = getattr(channel, "_expires", None)
@@ -795,22 +819,24 @@ class PublishRide:
         return True
 
 
-def close_with(app: Any, close: Callable[[], object]) -> None:
-    """Call ``close()`` when ``app.close()`` is called (before Celery's own close).
+def close_with(owner: Any, close: Callable[[], object]) -> None:
+    """Call ``close()`` when ``owner.close()`` is called (before the owner's own close): a
+    Celery app or a kombu channel.
 
     Celery has no signal for an app's close (``Celery.close`` only releases its broker
-    pool); an instance attribute is looked up first, as for :func:`wrap_send_task`. Read in
-    Celery 5.3 to 5.7.
+    pool), kombu none for a channel's (a connection's ``release`` calls each channel's
+    ``close``); an instance attribute is looked up first, as for :func:`wrap_send_task`.
+    Read in Celery 5.3 to 5.7 and kombu 5.3 to 5.7.
     """
-    original = app.close
+    original = owner.close
 
-    def close_app(*args: Any, **kwargs: Any) -> Any:
+    def closing(*args: Any, **kwargs: Any) -> Any:
         with contextlib.suppress(Exception):
             close()
         return original(*args, **kwargs)
 
-    close_app.__doc__ = original.__doc__
-    app.close = close_app
+    closing.__doc__ = original.__doc__
+    owner.close = closing
 
 
 def _nothing_to_cancel(task_id: str) -> None:

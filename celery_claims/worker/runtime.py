@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 from celery_claims.claims.redis import RedisClaimManager
@@ -10,6 +11,7 @@ from celery_claims.connection import close as close_client
 from celery_claims.worker.journal import PUBLISH_COUNTERS, WorkerJournal
 from celery_claims.worker.lanes import WorkerLanes
 from celery_claims.worker.lifecycle import Copy, Lifecycle
+from celery_claims.worker.sender import ScriptCaller, usable
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.signals import Counters
 from celery_claims.worker.store import new_manager
@@ -41,6 +43,13 @@ class ClaimsRuntime:
         self.settings = settings
         self.hostname = hostname
         self.manager = manager if manager is not None else new_manager(settings)
+        # the main process's single calls (the completion of a body run on the loop or in a
+        # pool thread, a gate's own claim, renewals) on connections kept for them, as a
+        # prefork pool process's are (guard.py): a third of the client's CPU per call
+        self._caller = ScriptCaller()
+        if usable(self.manager.client):
+            pool = getattr(self.manager.client, "connection_pool", None)
+            self.manager.send_calls_with(functools.partial(self._caller.call, pool))
         self.counters = Counters()
         #: the worker's lanes, when ``claims_lanes`` is configured
         self.lanes: WorkerLanes | None = None
@@ -75,5 +84,6 @@ class ClaimsRuntime:
         journal's pending clears are written first."""
         if self.journal is not None:
             self.journal.close()
+        self._caller.close()
         with contextlib.suppress(Exception):
             close_client(self.manager.client)

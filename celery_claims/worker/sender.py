@@ -227,7 +227,9 @@ class ScriptSender:
 
 
 class ScriptCaller:
-    """Script calls waited for, each on a connection this process keeps for them.
+    """Script calls waited for, each on a connection this process keeps for them: alone
+    (:meth:`call`) or at the end of a ``MULTI``/``EXEC`` (:meth:`transaction`, kombu's
+    append with the claim in it).
 
     The connections are made from the client's pool but never go back to it: taking one is a
     ``list.pop``, where redis-py's pool takes a lock, checks and counts. Each remembers the
@@ -260,6 +262,25 @@ class ScriptCaller:
             redis.ResponseError: the script's error (the connection is kept).
             InvalidArgument: ``pool`` is not a standalone server's (:func:`usable`).
         """
+        return self._on_kept(pool, lambda kept: kept.call(call))
+
+    def transaction(self, pool: Any, commands: list[tuple[Any, ...]], call: ScriptCall[Any]) -> Any:
+        """Send ``commands`` and then ``call`` in one ``MULTI``/``EXEC`` to the server of
+        ``pool``, wait, and return ``EXEC``'s replies in order (a command's error reply as
+        its ``redis.ResponseError``, not raised; a ``NoScriptError`` as the last reply where
+        the store's scripts were flushed since they were loaded here).
+
+        Raises:
+            redis.ConnectionError, redis.TimeoutError: the transaction may or may not have
+                run; the connection is dropped.
+            redis.ResponseError: the transaction was refused (``EXECABORT``: a command was
+                refused when queued), nothing ran (the connection is kept).
+            InvalidArgument: ``pool`` is not a standalone server's (:func:`usable`).
+        """
+        return self._on_kept(pool, lambda kept: kept.transaction(commands, call))
+
+    def _on_kept(self, pool: Any, use: Callable[[_Kept], Any]) -> Any:
+        """``use(kept)`` on a kept connection of ``pool``'s server, taken for the call."""
         if type(pool) is not redis.ConnectionPool:
             raise InvalidArgument("pool", "a standalone redis.ConnectionPool is needed")
         if self._pid != os.getpid():
@@ -273,7 +294,7 @@ class ScriptCaller:
                 kept.close()
                 kept = _Kept(pool)
         try:
-            reply = kept.call(call)
+            reply = use(kept)
         except redis.ResponseError:
             self._free.append(kept)
             raise
@@ -301,16 +322,7 @@ class _Kept:
         self.loaded: set[str] = set()
 
     def call(self, call: ScriptCall[Any]) -> Any:
-        conn = self.conn
-        conn.connect()  # a no-op once connected
-        try:
-            if conn.can_read(timeout=0):  # a reply nobody asked for
-                raise redis.ConnectionError("unexpected data on a kept connection")
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            # closed by the server meanwhile: nothing was sent, so connecting again is safe
-            conn.disconnect()
-            self.loaded.clear()
-            conn.connect()
+        self._ready()
         reply = self._send(call)
         if isinstance(reply, redis.exceptions.NoScriptError):
             # the store lost its scripts since they were loaded here (SCRIPT FLUSH)
@@ -320,18 +332,53 @@ class _Kept:
             raise reply
         return reply
 
-    def _send(self, call: ScriptCall[Any]) -> Any:
-        """Write ``call`` and read every reply it gets (errors too: the connection stays in
-        step); returns the script's reply, or the first error."""
+    def transaction(self, commands: list[tuple[Any, ...]], call: ScriptCall[Any]) -> Any:
+        self._ready()
         conn = self.conn
-        commands = _commands(call, self.loaded)
-        conn.send_packed_command(_pack(commands, conn))
+        script = _commands(call, self.loaded)  # [SCRIPT LOAD,] EVALSHA
+        sent = [*script[:-1], ("MULTI",), *commands, script[-1], ("EXEC",)]
+        conn.send_packed_command(_pack(sent, conn))
+        replies = self._read(len(sent))
+        if len(script) == 2 and isinstance(replies[0], redis.ResponseError):
+            self.loaded.discard(call.script.sha)  # not loaded after all
+        result = replies[-1]
+        if isinstance(result, redis.ResponseError):
+            raise result
+        if result and isinstance(result[-1], redis.exceptions.NoScriptError):
+            self.loaded.clear()  # flushed since it was loaded here: loaded again next time
+        return result
+
+    def _ready(self) -> None:
+        """Connect, or find that the server closed the connection meanwhile and connect
+        again: nothing was sent, so connecting again is safe."""
+        conn = self.conn
+        conn.connect()  # a no-op once connected
+        try:
+            if conn.can_read(timeout=0):  # a reply nobody asked for
+                raise redis.ConnectionError("unexpected data on a kept connection")
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            conn.disconnect()
+            self.loaded.clear()
+            conn.connect()
+
+    def _read(self, n: int) -> list[Any]:
+        """The next ``n`` replies, errors too (the connection stays in step)."""
+        conn = self.conn
         replies: list[Any] = []
-        for _ in commands:
+        for _ in range(n):
             try:
                 replies.append(conn.read_response())
             except redis.ResponseError as exc:
                 replies.append(exc)
+        return replies
+
+    def _send(self, call: ScriptCall[Any]) -> Any:
+        """Write ``call`` and read every reply it gets; returns the script's reply, or the
+        first error."""
+        conn = self.conn
+        commands = _commands(call, self.loaded)
+        conn.send_packed_command(_pack(commands, conn))
+        replies = self._read(len(commands))
         if len(replies) == 2 and isinstance(replies[0], redis.ResponseError):
             self.loaded.discard(call.script.sha)  # not loaded after all
             return replies[0]

@@ -172,3 +172,63 @@ def test_a_client_that_chooses_its_server_per_command_is_refused(caller: ScriptC
     call = echo_call(redis.Redis(), "return 1")
     with pytest.raises(InvalidArgument, match="standalone"):
         caller.call(client.connection_pool, call)
+
+
+def test_a_transaction_runs_its_commands_and_the_script_in_one_exec(
+    server: RedisServer, caller: ScriptCaller
+) -> None:
+    client = server.client(socket_timeout=5)
+    call = echo_call(client, "return redis.call('GET', KEYS[1] or 'k')")
+    observer = server.client()
+    # When two transactions write a key and read it in the script
+    for value in ("one", "two"):
+        replies = caller.transaction(
+            client.connection_pool, [("SET", "k", value), ("INCR", "n")], call
+        )
+        # Then EXEC's replies come in order, the script's last
+        assert replies[1:] == [1 if value == "one" else 2, value.encode()]
+    # on one connection, the script loaded once
+    calls = command_calls(observer)
+    assert (calls["multi"], calls["exec"], calls["script"]) == (2, 2, 1)
+
+
+def test_a_refused_transaction_runs_nothing_and_the_connection_stays_in_step(
+    server: RedisServer, caller: ScriptCaller
+) -> None:
+    client = server.client(socket_timeout=5)
+    call = echo_call(client, "return redis.call('INCR', 'n')")
+    observer = server.client()
+    assert caller.transaction(client.connection_pool, [("SET", "k", "v")], call)[1] == 1
+    made = connections_made(observer)
+    # When a command is refused as it is queued (wrong number of arguments)
+    with pytest.raises(redis.exceptions.ExecAbortError):
+        caller.transaction(client.connection_pool, [("SET", "k", "w"), ("SET", "k")], call)
+    # Then nothing of it ran, and the same connection answers the next transaction
+    assert observer.get("k") == b"v"
+    assert caller.transaction(client.connection_pool, [], call) == [2]
+    assert connections_made(observer) == made
+
+
+def test_a_transaction_after_the_server_lost_its_scripts_gets_noscript_then_loads_it(
+    server: RedisServer, caller: ScriptCaller
+) -> None:
+    client = server.client(socket_timeout=5)
+    call = echo_call(client, "return ARGV[1]", "said")
+    assert caller.transaction(client.connection_pool, [("SET", "k", "1")], call)[1] == b"said"
+    client.script_flush()
+    # When the script is gone: the commands ran, the script's reply is NOSCRIPT
+    replies = caller.transaction(client.connection_pool, [("SET", "k", "2")], call)
+    assert isinstance(replies[1], redis.exceptions.NoScriptError)
+    assert client.get("k") == b"2"
+    # and the next transaction loads it again
+    assert caller.transaction(client.connection_pool, [], call) == [b"said"]
+
+
+def test_a_manager_that_waits_for_replicas_keeps_its_calls_on_its_client(
+    server: RedisServer, caller: ScriptCaller
+) -> None:
+    # WAIT counts the writes of the connection it is sent on: a kept one's would not count
+    client = server.client(socket_timeout=5)
+    manager = RedisClaimManager(client=client, prefix="kept", wait_replicas=1)
+    with pytest.raises(InvalidArgument, match="replicas"):
+        manager.send_calls_with(partial(caller.call, client.connection_pool))
