@@ -1,20 +1,21 @@
 """What celery-claims costs a Celery fleet: plain Celery vs claims vs celery-once/singleton.
 
-Run it as ``python bench/celery_overhead.py`` (``--quick`` for a smoke run). It starts its
-own ``redis-server`` on a free port (broker and every plugin's store), then, for each pool
-(prefork ``-c 2`` and solo), starts one real ``celery worker`` per variant (plain Celery, the
-one-round-trip reference ``rt1``, celery-claims, celery-once, celery-singleton), each on its
-own queue, and warms each up. Each round then measures, for each kind of task (N no-op
-tasks, then N tasks of 10 ms), one batch per variant back to back, in a rotated order per
-round. A batch is timed from its first publish until the queue and kombu's unacked set are
-both empty (every task acked; ``task_acks_late`` for all variants), so the producer-side work
-of celery-once and celery-singleton (their lock is taken when a task is sent) counts too.
-Each variant's time is reported as a ratio to plain Celery's time in the same round; each
-kind's batches of a round start after an untimed batch (the first batch after a change of pace
-ran up to 1.7x slower, whichever variant it was). Beside the time, the CPU each message cost
-(Linux schedstat): the worker's main process, its pool processes, the broker's redis-server,
-the producer's publishing thread (this process), and their sum, which on 2 busy cores is what
-the time follows, with less noise. Needs ``celery-once`` and ``celery-singleton``
+Run it as ``python bench/celery_overhead.py`` (``--quick`` for a smoke run). It starts its own
+``redis-server`` on a free port (broker and every plugin's store), then, for each pool (prefork
+``-c 2`` and solo), starts one real ``celery worker`` per variant (plain Celery, the
+one-round-trip reference ``rt1``, its store-apart counterpart ``rt2-sep``: a round trip to a
+server of its own before the pool and one before the ack; celery-claims, celery-once,
+celery-singleton), each on its own queue, and warms each up. Each round then measures, for each
+kind of task (N no-op tasks, then N tasks of 10 ms), one batch per variant back to back, in a
+rotated order per round. A batch is timed from its first publish until the queue and kombu's
+unacked set are both empty (every task acked; ``task_acks_late`` for all variants), so the
+producer-side work of celery-once and celery-singleton (their lock is taken when a task is
+sent) counts too. Each variant's time is reported as a ratio to plain Celery's time in the same
+round; each kind's batches of a round start after an untimed batch (the first batch after a
+change of pace ran up to 1.7x slower, whichever variant it was). Beside the time, the CPU each
+message cost (Linux schedstat): the worker's main process, its pool processes, the broker's
+redis-server, the producer's publishing thread (this process), and their sum, which on 2 busy
+cores is what the time follows, with less noise. Needs ``celery-once`` and ``celery-singleton``
 (``pip install -e .[bench]``).
 
 ``--baseline TREE`` adds the variants ``claims-base`` and ``claims-sep-base``: the ``claims``
@@ -45,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from bench.overhead_app import build  # noqa: E402
 from celery_claims.demo.runner import private_redis  # noqa: E402
 
-VARIANTS = ("plain", "rt1", "claims", "claims-nj", "claims-sep", "once", "singleton")
+VARIANTS = ("plain", "rt1", "rt2-sep", "claims", "claims-nj", "claims-sep", "once", "singleton")
 POOLS = ("prefork", "solo")
 KINDS = (("noop", "bench.noop"), ("10ms", "bench.sleep10"))
 

@@ -2,7 +2,10 @@
 
 ``BENCH_VARIANT`` picks what the tasks run under: ``plain`` (Celery alone), ``rt1`` (Celery
 plus the least any execution-time claim costs: one blocking round trip of a one-line Lua
-script to the store per message, in the consumer before the pool gets it), ``claims``
+script to the store per message, in the consumer before the pool gets it), ``rt2-sep`` (the
+least an execution-time claim costs with the store on a server of its own, ``BENCH_STORE_URL``,
+and the completion recorded before the ack: one blocking round trip there before the pool gets
+the message, and one more in the main process before Celery acks it), ``claims``
 (``celery_claims.install``, the claim store on the broker's server, the default),
 ``claims-nj`` (``claims`` with the publish journal off), ``claims-sep`` (the same with the claim
 store on a server of its own, ``BENCH_STORE_URL``,
@@ -43,6 +46,33 @@ class OneRoundTrip(bootsteps.StartStopStep):  # type: ignore[misc]
         super().__init__(c, **kwargs)
 
 
+class TwoRoundTrips(bootsteps.StartStopStep):  # type: ignore[misc]
+    """The ``rt2-sep`` reference: one ``EVALSHA`` round trip per message to a server of its own
+    before the pool runs it, and one before the main process acks it (where a claim store apart
+    claims, and records the completion the ack must wait for)."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        client = redis.Redis.from_url(os.environ["BENCH_STORE_URL"])
+        script = client.register_script("return 1")
+        inner = c.on_task_request
+
+        def on_task_request(request: Any) -> Any:
+            script(keys=[request.id], args=[])
+            acknowledge = request.acknowledge
+
+            def acknowledge_after_a_round_trip() -> None:
+                script(keys=[request.id], args=[])
+                acknowledge()
+
+            request.acknowledge = acknowledge_after_a_round_trip  # the instance's own
+            return inner(request)
+
+        c.on_task_request = on_task_request
+        super().__init__(c, **kwargs)
+
+
 def build(variant: str, url: str, queue: str) -> Celery:
     """The benchmark app for one variant."""
     app = Celery(f"bench-{variant}", broker=url, set_as_current=False)
@@ -66,6 +96,8 @@ def build(variant: str, url: str, queue: str) -> Celery:
     base: Any = None
     if variant == "rt1":
         app.steps["consumer"].add(OneRoundTrip)
+    elif variant == "rt2-sep":
+        app.steps["consumer"].add(TwoRoundTrips)
     elif variant in ("claims", "claims-sep", "claims-nj"):
         from celery_claims.worker import install
 
