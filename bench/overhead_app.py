@@ -32,45 +32,43 @@ class OneRoundTrip(bootsteps.StartStopStep):  # type: ignore[misc]
     """The ``rt1`` reference: one ``EVALSHA`` round trip per message before the pool runs it."""
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
+    #: one more round trip before the main process acks the message
+    before_ack = False
+
+    def store_url(self, c: Any) -> str:
+        return str(c.app.conf.broker_url)
 
     def __init__(self, c: Any, **kwargs: Any) -> None:
-        client = redis.Redis.from_url(c.app.conf.broker_url)
+        client = redis.Redis.from_url(self.store_url(c))
         script = client.register_script("return 1")
         inner = c.on_task_request
+        before_ack = self.before_ack
 
         def on_task_request(request: Any) -> Any:
             script(keys=[request.id], args=[])
+            if before_ack:
+                acknowledge = request.acknowledge
+
+                def acknowledge_after_a_round_trip() -> None:
+                    script(keys=[request.id], args=[])
+                    acknowledge()
+
+                request.acknowledge = acknowledge_after_a_round_trip  # the instance's own
             return inner(request)
 
         c.on_task_request = on_task_request
         super().__init__(c, **kwargs)
 
 
-class TwoRoundTrips(bootsteps.StartStopStep):  # type: ignore[misc]
+class TwoRoundTrips(OneRoundTrip):
     """The ``rt2-sep`` reference: one ``EVALSHA`` round trip per message to a server of its own
     before the pool runs it, and one before the main process acks it (where a claim store apart
     claims, and records the completion the ack must wait for)."""
 
-    requires = ("celery.worker.consumer.tasks:Tasks",)
+    before_ack = True
 
-    def __init__(self, c: Any, **kwargs: Any) -> None:
-        client = redis.Redis.from_url(os.environ["BENCH_STORE_URL"])
-        script = client.register_script("return 1")
-        inner = c.on_task_request
-
-        def on_task_request(request: Any) -> Any:
-            script(keys=[request.id], args=[])
-            acknowledge = request.acknowledge
-
-            def acknowledge_after_a_round_trip() -> None:
-                script(keys=[request.id], args=[])
-                acknowledge()
-
-            request.acknowledge = acknowledge_after_a_round_trip  # the instance's own
-            return inner(request)
-
-        c.on_task_request = on_task_request
-        super().__init__(c, **kwargs)
+    def store_url(self, c: Any) -> str:
+        return os.environ["BENCH_STORE_URL"]
 
 
 def build(variant: str, url: str, queue: str) -> Celery:
