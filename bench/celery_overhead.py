@@ -4,7 +4,8 @@ Run it as ``python bench/celery_overhead.py`` (``--quick`` for a smoke run). It 
 ``redis-server`` on a free port (broker and every plugin's store), then, for each pool (prefork
 ``-c 2`` and solo), starts one real ``celery worker`` per variant (plain Celery, the
 one-round-trip reference ``rt1``, its store-apart counterpart ``rt2-sep``: a round trip to a
-server of its own before the pool and one before the ack; celery-claims, celery-once,
+server of its own before the pool and one before the ack; ``ride0``, a minimal claim and
+completion script riding kombu's delivery and ack transactions; celery-claims, celery-once,
 celery-singleton), each on its own queue, and warms each up. Each round then measures, for each
 kind of task (N no-op tasks, then N tasks of 10 ms), one batch per variant back to back, in a
 rotated order per round. A batch is timed from its first publish until the queue and kombu's
@@ -43,10 +44,20 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.overhead_app import build  # noqa: E402
+from bench.overhead_app import build, ride0_keys  # noqa: E402
 from celery_claims.demo.runner import private_redis  # noqa: E402
 
-VARIANTS = ("plain", "rt1", "rt2-sep", "claims", "claims-nj", "claims-sep", "once", "singleton")
+VARIANTS = (
+    "plain",
+    "rt1",
+    "rt2-sep",
+    "ride0",
+    "claims",
+    "claims-nj",
+    "claims-sep",
+    "once",
+    "singleton",
+)
 POOLS = ("prefork", "solo")
 KINDS = (("noop", "bench.noop"), ("10ms", "bench.sleep10"))
 
@@ -124,6 +135,15 @@ def run_batch(
             raise SystemExit(f"{variant}: {task} batch not drained in {timeout} s\n{tail}")
         time.sleep(0.005)
     return time.perf_counter() - start
+
+
+def check_ride0(client: redis.Redis, queue: str, records: int) -> None:
+    """Every task of a ``ride0`` batch left its completion record and no claim: its scripts
+    ran, and ran as meant."""
+    claims_key, records_key = ride0_keys(queue)
+    found = (client.hlen(records_key), client.hlen(claims_key))
+    if found != (records, 0):
+        raise SystemExit(f"ride0: (records, claims) {found}, expected ({records}, 0)")
 
 
 def script_calls(store: redis.Redis) -> int:
@@ -244,6 +264,7 @@ def main() -> None:
                             queue = f"bench-{variant}-{pool}"
                             log = logs / f"{queue}.log"
                             before = script_calls(store)
+                            records = client.hlen(ride0_keys(queue)[1])
                             cpu_before = cpu_ns(procs[variant].pid, server_pid)
                             measured[variant] = run_batch(
                                 client, url, variant, queue, task, tasks, log=log
@@ -263,6 +284,8 @@ def main() -> None:
                                     main_us + pool_us + server_us + producer_us,
                                 )
                             )
+                            if variant == "ride0":
+                                check_ride0(client, queue, records + tasks)
                             if "sep" in variant:
                                 # the last records and keeper beats may come after the acks
                                 time.sleep(0.5)

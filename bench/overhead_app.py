@@ -5,7 +5,10 @@ plus the least any execution-time claim costs: one blocking round trip of a one-
 script to the store per message, in the consumer before the pool gets it), ``rt2-sep`` (the
 least an execution-time claim costs with the store on a server of its own, ``BENCH_STORE_URL``,
 and the completion recorded before the ack: one blocking round trip there before the pool gets
-the message, and one more in the main process before Celery acks it), ``claims``
+the message, and one more in the main process before Celery acks it), ``ride0`` (the least a claim
+that rides the broker's round trips can cost: kombu's delivery transaction carries a minimal
+claim script and its ack transaction a minimal completion script, in the worker's main process,
+no round trip of their own; see :class:`RideFloorQoS`), ``claims``
 (``celery_claims.install``, the claim store on the broker's server, the default),
 ``claims-nj`` (``claims`` with the publish journal off), ``claims-sep`` (the same with the claim
 store on a server of its own, ``BENCH_STORE_URL``,
@@ -21,11 +24,14 @@ sent.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
 import redis
 from celery import Celery, bootsteps
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual as kombu_virtual
 
 
 class OneRoundTrip(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -71,6 +77,90 @@ class TwoRoundTrips(OneRoundTrip):
         return os.environ["BENCH_STORE_URL"]
 
 
+#: The ``ride0`` claim: refuse a task recorded done or claimed live by another owner, else
+#: claim it (entry: owner and expiry in ms). KEYS: the claims hash, the records hash.
+#: ARGV: task id, owner, lease ms. Returns 1 (claimed), 2 (held by another) or 7 (done).
+RIDE0_CLAIM = """
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 7 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local e = redis.call('HGET', KEYS[1], ARGV[1])
+if e then
+  local owner, expires = string.match(e, '^(.*) (%d+)$')
+  if owner ~= ARGV[2] and now < tonumber(expires) then return 2 end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. (now + tonumber(ARGV[3])))
+return 1
+"""
+#: The ``ride0`` completion: only the claim's owner records it (the claim goes, the record
+#: stays). KEYS, ARGV[1..2] as above. Returns 1 (recorded) or 5 (not this owner's claim).
+RIDE0_DONE = """
+local e = redis.call('HGET', KEYS[1], ARGV[1])
+if not e or string.sub(e, 1, #ARGV[2] + 1) ~= ARGV[2] .. ' ' then return 5 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], '1')
+return 1
+"""
+
+
+def ride0_keys(queue: str) -> tuple[str, str]:
+    """The ``ride0`` variant's claims hash and records hash for ``queue``."""
+    return f"ride0:{queue}:c", f"ride0:{queue}:d"
+
+
+class RideFloorQoS(kombu_redis.QoS):  # type: ignore[misc]  # kombu is untyped
+    """kombu's Redis QoS with a claim in its delivery transaction and a completion in its ack
+    transaction (the ``ride0`` reference): what an execution-time claim on the broker's own
+    Redis costs at the least, with nothing else (no renewal, no journal, no pool settle, no
+    lifecycle). A copy refused a claim would be skipped by a real design; here every claim
+    must succeed, and the benchmark checks that every task left one record and no claim."""
+
+    owner = f"{socket.gethostname()}:{os.getpid()}"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ids: dict[str, tuple[str, tuple[str, str]]] = {}
+        with self.channel.conn_or_acquire() as client:
+            self._claim = client.script_load(RIDE0_CLAIM)
+            self._done = client.script_load(RIDE0_DONE)
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        task_id = message.headers["id"]
+        keys = ride0_keys(message.delivery_info["routing_key"])
+        delivery = message.delivery_info
+        raw = kombu_redis.dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        with self.pipe_or_acquire() as pipe:
+            replies = (
+                pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
+                .hset(self.unacked_key, delivery_tag, raw)
+                .evalsha(self._claim, 2, *keys, task_id, self.owner, 60_000)
+                .execute()
+            )
+        if replies[-1] != 1:
+            raise RuntimeError(f"ride0: claim of {task_id} refused ({replies[-1]})")
+        self._ids[delivery_tag] = (task_id, keys)
+        kombu_virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag: str) -> None:
+        task_id, keys = self._ids.pop(delivery_tag)
+        replies = (
+            self._remove_from_indices(delivery_tag)
+            .evalsha(self._done, 2, *keys, task_id, self.owner)
+            .execute()
+        )
+        if replies[-1] != 1:
+            raise RuntimeError(f"ride0: completion of {task_id} refused ({replies[-1]})")
+        kombu_virtual.QoS.ack(self, delivery_tag)
+
+
+class RideFloor(bootsteps.StartStopStep):  # type: ignore[misc]
+    """The ``ride0`` reference: the consumer's channels use :class:`RideFloorQoS`."""
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        kombu_redis.Channel.QoS = RideFloorQoS
+        super().__init__(c, **kwargs)
+
+
 def build(variant: str, url: str, queue: str) -> Celery:
     """The benchmark app for one variant."""
     app = Celery(f"bench-{variant}", broker=url, set_as_current=False)
@@ -96,6 +186,8 @@ def build(variant: str, url: str, queue: str) -> Celery:
         app.steps["consumer"].add(OneRoundTrip)
     elif variant == "rt2-sep":
         app.steps["consumer"].add(TwoRoundTrips)
+    elif variant == "ride0":
+        app.steps["consumer"].add(RideFloor)
     elif variant in ("claims", "claims-sep", "claims-nj"):
         from celery_claims.worker import install
 

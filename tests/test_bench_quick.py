@@ -13,10 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_the_overhead_benchmark_quick_mode_prints_a_ratio_per_variant() -> None:
-    # Given the benchmark in quick mode against plain Celery, the one-round-trip reference and
-    # the store-apart reference (celery-once and celery-singleton are bench-only dependencies,
-    # not installed for tests)
-    variants = "plain,rt1,rt2-sep,claims"
+    # Given the benchmark in quick mode against plain Celery, the one-round-trip reference, the
+    # store-apart reference and the riding floor, whose batches the benchmark checks left one
+    # record per task and no claim (celery-once and celery-singleton are bench-only
+    # dependencies, not installed for tests)
+    variants = "plain,rt1,rt2-sep,ride0,claims"
     args = [sys.executable, "bench/celery_overhead.py", "--quick", "--variants", variants]
 
     # When it runs
@@ -29,13 +30,15 @@ def test_the_overhead_benchmark_quick_mode_prints_a_ratio_per_variant() -> None:
         [" noop ", " plain "],
         [" noop ", " rt1 "],
         [" noop ", " rt2-sep "],
+        [" noop ", " ride0 "],
         [" noop ", " claims "],
         [" 10ms ", " plain "],
         [" 10ms ", " rt1 "],
         [" 10ms ", " rt2-sep "],
+        [" 10ms ", " ride0 "],
         [" 10ms ", " claims "],
     ]
     # and the store-apart reference made its two round trips per message to its own server
     # (counted there), the others none
     store_calls = [row.split("|")[-2].strip() for row in rows]
-    assert store_calls == ["", "", "2.00", ""] * 2
+    assert store_calls == ["", "", "2.00", "", ""] * 2
