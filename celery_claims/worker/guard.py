@@ -57,7 +57,7 @@ from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
 from celery_claims.fencing import TaskClaim
 from celery_claims.worker.policy import is_exempt
 from celery_claims.worker.recovery import Verdict, record_done, recover
-from celery_claims.worker.sender import ScriptCaller, ScriptSender, usable
+from celery_claims.worker.sender import ScriptCaller, ScriptSender, keep_calls, usable
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.store import new_manager
 
@@ -184,11 +184,9 @@ class _Verifier:
             if self._manager is None or self._pid != pid:
                 # a prefork child: never share the parent's sockets across fork
                 manager = new_manager(self.settings)
-                pool = getattr(manager.client, "connection_pool", None)
-                if usable(manager.client):
-                    # its calls on a connection kept for them: a third of the CPU of the
-                    # client's (docs/benchmarks.md), which a no-op task's settle pays
-                    manager.send_calls_with(functools.partial(self._caller.call, pool))
+                # its calls on a connection kept for them: a third of the CPU of the
+                # client's (docs/benchmarks.md), which a no-op task's settle pays
+                keep_calls(manager, self._caller)
                 self._manager, self._pid = manager, pid
             return self._manager
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any
 
 from celery_claims.claims.redis import RedisClaimManager
@@ -11,7 +10,7 @@ from celery_claims.connection import close as close_client
 from celery_claims.worker.journal import PUBLISH_COUNTERS, WorkerJournal
 from celery_claims.worker.lanes import WorkerLanes
 from celery_claims.worker.lifecycle import Copy, Lifecycle
-from celery_claims.worker.sender import ScriptCaller, usable
+from celery_claims.worker.sender import ScriptCaller, keep_calls
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.signals import Counters
 from celery_claims.worker.store import new_manager
@@ -47,9 +46,7 @@ class ClaimsRuntime:
         # pool thread, a gate's own claim, renewals) on connections kept for them, as a
         # prefork pool process's are (guard.py): a third of the client's CPU per call
         self._caller = ScriptCaller()
-        if usable(self.manager.client):
-            pool = getattr(self.manager.client, "connection_pool", None)
-            self.manager.send_calls_with(functools.partial(self._caller.call, pool))
+        keep_calls(self.manager, self._caller)
         self.counters = Counters()
         #: the worker's lanes, when ``claims_lanes`` is configured
         self.lanes: WorkerLanes | None = None

@@ -21,6 +21,7 @@ command, so the callers go through the client there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -31,7 +32,7 @@ from typing import Any, Protocol
 
 import redis
 
-from celery_claims.claims.redis import ScriptCall
+from celery_claims.claims.redis import RedisClaimManager, ScriptCall
 from celery_claims.errors import BackendUnavailable, InvalidArgument
 
 __all__ = ["ScriptCaller", "ScriptSender", "usable"]
@@ -64,6 +65,16 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def usable(client: Any) -> bool:
     """True if ``client``'s server can be written on a kept connection (a standalone client)."""
     return type(getattr(client, "connection_pool", None)) is redis.ConnectionPool
+
+
+def keep_calls(manager: RedisClaimManager, caller: ScriptCaller) -> None:
+    """Send ``manager``'s single calls on connections ``caller`` keeps, where they can go
+    there: a standalone client, and writes that do not wait for replicas (``WAIT`` counts
+    the writes of the connection it is sent on, the client's). Elsewhere they stay on the
+    client."""
+    if usable(manager.client) and not manager.waits_for_replicas:
+        pool = getattr(manager.client, "connection_pool", None)
+        manager.send_calls_with(functools.partial(caller.call, pool))
 
 
 def _commands(call: ScriptCall[Any], loaded: set[str]) -> list[tuple[Any, ...]]:

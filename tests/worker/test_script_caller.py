@@ -22,7 +22,7 @@ import redis.sentinel
 
 from celery_claims import ClaimToken, RedisClaimManager
 from celery_claims.claims.redis import ScriptCall
-from celery_claims.errors import InvalidArgument
+from celery_claims.errors import InsufficientReplicas, InvalidArgument
 from celery_claims.model import Success
 from celery_claims.worker.sender import ScriptCaller
 from tests.servers import RedisServer, command_calls, redis_server
@@ -232,3 +232,33 @@ def test_a_manager_that_waits_for_replicas_keeps_its_calls_on_its_client(
     manager = RedisClaimManager(client=client, prefix="kept", wait_replicas=1)
     with pytest.raises(InvalidArgument, match="replicas"):
         manager.send_calls_with(partial(caller.call, client.connection_pool))
+
+
+def test_a_worker_runtime_given_a_manager_that_waits_for_replicas_keeps_it_on_its_client(
+    server: RedisServer,
+) -> None:
+    # Given a manager whose writes wait for a replica, handed to a worker's runtime (its
+    # constructor takes any manager: the testing kit's, an embedding program's)
+    from celery import Celery
+
+    from celery_claims.worker.runtime import ClaimsRuntime
+    from celery_claims.worker.settings import load_settings
+
+    app = Celery("replicas", broker="memory://", set_as_current=False)
+    app.conf.claims_redis_url = server.url
+    client = server.client(socket_timeout=5)
+    manager = RedisClaimManager(client=client, prefix="kept", wait_replicas=1, wait_timeout_ms=50)
+    observer = server.client()
+
+    # When the runtime is built and the manager makes a claim
+    runtime = ClaimsRuntime(app, load_settings(app), "w@host", manager)
+    try:
+        before = connections_made(observer)
+        with pytest.raises(InsufficientReplicas):
+            manager.claim("q", "t-1", OWNER, 60_000)
+        # Then the claim went on the client's one connection, the one whose writes its WAIT
+        # counts (no replica here: reported unreplicated), not on one kept by the runtime
+        assert connections_made(observer) - before == 1
+    finally:
+        runtime.close()
+        app.close()
