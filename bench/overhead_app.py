@@ -126,8 +126,8 @@ class RideFloorQoS(kombu_redis.QoS):  # type: ignore[misc]  # kombu is untyped
 
     def append(self, message: Any, delivery_tag: str) -> None:
         task_id = message.headers["id"]
-        keys = ride0_keys(message.delivery_info["routing_key"])
         delivery = message.delivery_info
+        keys = ride0_keys(delivery["routing_key"])
         raw = kombu_redis.dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
         with self.pipe_or_acquire() as pipe:
             replies = (

@@ -35,7 +35,7 @@ import redis
 from celery_claims.claims.redis import RedisClaimManager, ScriptCall
 from celery_claims.errors import BackendUnavailable, InvalidArgument
 
-__all__ = ["ScriptCaller", "ScriptSender", "usable"]
+__all__ = ["ScriptCaller", "ScriptSender", "keep_calls", "usable"]
 
 
 #: ``on_reply(reply, error)``: the script's raw reply and None, or None and the error.
