@@ -19,12 +19,15 @@ from functools import partial
 import pytest
 import redis
 import redis.sentinel
+from celery import Celery
 
 from celery_claims import ClaimToken, RedisClaimManager
 from celery_claims.claims.redis import ScriptCall
 from celery_claims.errors import InsufficientReplicas, InvalidArgument
 from celery_claims.model import Success
+from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.sender import ScriptCaller
+from celery_claims.worker.settings import load_settings
 from tests.servers import RedisServer, command_calls, redis_server
 
 OWNER = "w@host/1/n.1"
@@ -239,11 +242,6 @@ def test_a_worker_runtime_given_a_manager_that_waits_for_replicas_keeps_it_on_it
 ) -> None:
     # Given a manager whose writes wait for a replica, handed to a worker's runtime (its
     # constructor takes any manager: the testing kit's, an embedding program's)
-    from celery import Celery
-
-    from celery_claims.worker.runtime import ClaimsRuntime
-    from celery_claims.worker.settings import load_settings
-
     app = Celery("replicas", broker="memory://", set_as_current=False)
     app.conf.claims_redis_url = server.url
     client = server.client(socket_timeout=5)
