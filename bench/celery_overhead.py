@@ -264,7 +264,7 @@ def main() -> None:
                             queue = f"bench-{variant}-{pool}"
                             log = logs / f"{queue}.log"
                             before = script_calls(store)
-                            records = client.hlen(ride0_keys(queue)[1])
+                            records = client.hlen(ride0_keys(queue)[1]) if variant == "ride0" else 0
                             cpu_before = cpu_ns(procs[variant].pid, server_pid)
                             measured[variant] = run_batch(
                                 client, url, variant, queue, task, tasks, log=log
