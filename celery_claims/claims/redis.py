@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache, partial
-from importlib import resources
+from functools import partial
 from types import MappingProxyType
 from typing import Any, Generic, TypeAlias, TypeVar
 
@@ -21,6 +20,7 @@ import redis.exceptions as redis_errors
 from redis.commands.core import Script
 
 from celery_claims.claims.keys import DEFAULT_PREFIX, QueueKeys, queues_key, require_prefix
+from celery_claims.claims.scripts import MANY_OPS, script_source
 from celery_claims.claims.status import token_error
 from celery_claims.clock import Clock
 from celery_claims.connection import close as close_client
@@ -88,10 +88,6 @@ _SCRIPTS = (
     "claim_many",
 )
 
-#: The scripts whose calls :func:`many_call` can put in one ``claim_many`` call, by the
-#: operation code claim_many.lua knows them by.
-_MANY_OPS = {"claim": "c", "ack_done": "r"}
-
 #: The most calls one ``claim_many`` script call carries (bounds the script's run time).
 MANY_MAX_CALLS = 64
 
@@ -104,19 +100,6 @@ _UNAVAILABLE: tuple[type[Exception], ...] = (
     redis_errors.ReadOnlyError,
     redis_errors.MasterDownError,
 )
-
-
-@cache
-def _source(name: str) -> str:
-    lua = resources.files("celery_claims.claims") / "lua"
-    parts = [(lua / "_common.lua").read_text("utf-8")]
-    if name == "claim_many":
-        # the operations it runs are the very scripts a call alone runs, as local functions
-        for op in _MANY_OPS:
-            body = (lua / f"{op}.lua").read_text("utf-8")
-            parts.append(f"local function {op}(KEYS, ARGV)\n{body}\nend")
-    parts.append((lua / f"{name}.lua").read_text("utf-8"))
-    return "\n".join(parts)
 
 
 @contextlib.contextmanager
@@ -291,7 +274,7 @@ class RedisClaimManager:
         self._known_queues: set[str] = set()
         self._queue_keys: dict[str, QueueKeys] = {}
         self._scripts: dict[str, Script] = {
-            name: client.register_script(_source(name)) for name in _SCRIPTS
+            name: client.register_script(script_source(name)) for name in _SCRIPTS
         }
         # how single calls are sent (send_calls_with), or None: through the client
         self._send: Callable[[ScriptCall[Any]], Any] | None = None
@@ -409,7 +392,7 @@ class RedisClaimManager:
 
     def _many(self, name: str, keys: QueueKeys, args: list[Any]) -> ManyPart:
         """The part of a ``name`` call of queue ``keys`` in a ``claim_many`` call."""
-        return ManyPart(self._scripts["claim_many"], keys.claim_keys, [_MANY_OPS[name], *args])
+        return ManyPart(self._scripts["claim_many"], keys.claim_keys, [MANY_OPS[name], *args])
 
     def execute(self, call: ScriptCall[_T]) -> _T:
         """Send ``call``, wait for its reply and decode it (one round trip).

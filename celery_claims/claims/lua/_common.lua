@@ -15,29 +15,31 @@ local function fmt(n)
 end
 
 -- Numbers are stored in base 36 (an epoch in ms takes 8 characters instead of 13); exact
--- below 2^53, like every number a script handles.
-local DIGITS = '0123456789abcdefghijklmnopqrstuvwxyz'
-
+-- below 2^53, like every number a script handles. Two digits a step, each pair made by one
+-- string.char: a digit a step with string.sub and table.concat cost twice the time, and the
+-- numbers of an entry were the largest part of a claim's script time (docs/benchmarks.md).
 local function b36(n)
-  local sign = ''
   if n < 0 then
-    sign, n = '-', -n
+    return '-' .. b36(-n)
   end
   n = math.floor(n)
+  local low = n % 36
+  n = (n - low) / 36
+  -- '0'..'9' are bytes 48..57, 'a'..'z' 97..122
   if n == 0 then
-    return '0'
+    return string.char(low + (low < 10 and 48 or 87))
   end
-  local out = {}
-  while n > 0 do
-    local d = n % 36
-    out[#out + 1] = string.sub(DIGITS, d + 1, d + 1)
-    n = (n - d) / 36
+  local high = n % 36
+  n = (n - high) / 36
+  local pair = string.char(high + (high < 10 and 48 or 87), low + (low < 10 and 48 or 87))
+  if n == 0 then
+    return pair
   end
-  return sign .. string.reverse(table.concat(out))
+  return b36(n) .. pair
 end
 
 local function n36(text)
-  if string.sub(text, 1, 1) == '-' then
+  if string.byte(text, 1) == 45 then -- '-'
     return -tonumber(string.sub(text, 2), 36)
   end
   return tonumber(text, 36)
