@@ -34,6 +34,7 @@ seconds on a dead store; every caller has its own, slower retry instead.
 from __future__ import annotations
 
 import contextlib
+import socket
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ __all__ = [
     "sentinel_down_after_ms",
     "sentinel_master",
     "server_of",
+    "socket_of",
     "verify",
 ]
 
@@ -498,6 +500,16 @@ def server_of(client: Any) -> tuple[Any, ...] | None:
         return None
     port = kwargs.get("port") if path is None else None
     return (host if path is None else None, port, path, int(kwargs.get("db") or 0))
+
+
+def socket_of(connection: Any) -> socket.socket | None:
+    """The connected socket of a redis-py ``Connection``, or None while it is disconnected.
+
+    redis-py keeps it in ``_sock`` (checked on redis-py 5.0 to 8.2); kombu's Redis transport
+    reads ``client.connection._sock`` the same way to register it on its event loop.
+    """
+    sock = getattr(connection, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
 
 
 def sentinel_master(client: Any) -> tuple[str, int] | None:

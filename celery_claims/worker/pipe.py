@@ -57,7 +57,7 @@ import redis.exceptions as redis_errors
 from celery.utils.log import get_logger
 
 from celery_claims.claims.redis import MANY_MAX_CALLS, RedisClaimManager, ScriptCall, many_call
-from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable
+from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable, socket_of
 from celery_claims.errors import BackendError, BackendUnavailable, ClaimError
 
 __all__ = ["ClusterPipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
@@ -94,13 +94,6 @@ def _refused(exc: BaseException) -> ClaimError:
         return StoreUnusable(f"the claim store refused the connection: {exc}")
     # refused, unreachable, timed out, LOADING (redis-py's BusyLoadingError)
     return BackendUnavailable(f"claim store unavailable: {exc}")
-
-
-def _socket_of(connection: Any) -> socket.socket | None:
-    # redis-py keeps the connected socket in ``_sock`` (None when disconnected); kombu's Redis
-    # transport registers ``client.connection._sock`` on the hub the same way
-    sock: socket.socket | None = getattr(connection, "_sock", None)
-    return sock
 
 
 def _ignore(outcome: Outcome) -> None:
@@ -290,7 +283,7 @@ class StorePipe:
                 except (redis_errors.RedisError, OSError) as exc:
                     self._broken(exc)
                     raise BackendUnavailable(f"claim store unavailable: {exc}") from exc
-            if _socket_of(connection) is self._sock:
+            if socket_of(connection) is self._sock:
                 if self.hub.readers.get(self._fd) is None:
                     # the hub was reset (Celery does after a broker connection error)
                     self.hub.add_reader(self._fd, self._on_readable)
@@ -302,7 +295,7 @@ class StorePipe:
             with contextlib.suppress(Exception):
                 connection.disconnect()
             raise _refused(exc) from exc
-        sock = _socket_of(connection)
+        sock = socket_of(connection)
         if sock is None:
             raise BackendUnavailable("claim store unavailable: no socket after connecting")
         self._sock, self._fd = sock, sock.fileno()

@@ -118,6 +118,27 @@ def test_a_connection_the_server_closed_is_connected_again_before_the_call_is_wr
     assert echo(caller, client, "two") == b"two"
 
 
+def test_a_connection_killed_between_calls_is_found_before_the_next_call_is_written(
+    server: RedisServer, caller: ScriptCaller
+) -> None:
+    # Given a kept connection in steady use (its probe is one poll of the socket)
+    client = server.client(socket_timeout=5)
+    observer = server.client()
+    for word in ("one", "two"):
+        assert echo(caller, client, word) == word.encode()
+    made = connections_made(observer)
+    # When the server closes it between two calls, at once (not a restart: no time passes)
+    kept = [c["id"] for c in observer.client_list() if c["cmd"] not in ("client|list", "client")]
+    assert len(kept) == 1
+    observer.client_kill_filter(_id=kept[0])
+    # Then the next call is answered, on a new connection, with no error
+    assert echo(caller, client, "three") == b"three"
+    assert connections_made(observer) == made + 1
+    # and calls after it stay on that connection
+    assert echo(caller, client, "four") == b"four"
+    assert connections_made(observer) == made + 1
+
+
 def test_an_error_reply_is_raised_and_the_connection_stays_in_step(
     server: RedisServer, caller: ScriptCaller
 ) -> None:
