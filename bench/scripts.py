@@ -20,25 +20,37 @@ garbage collector walks, holds them all). The variants:
 
 Printed per round and as medians: µs per call of each script, and each variant's claim +
 completion against ``floor``.
+
+Then the client's side of one such call, which a pool process pays for each settle: CPU µs
+(``time.process_time``, system time included) of one waited ``ack_done`` call on a kept
+connection (``sender.ScriptCaller``, what the worker uses), through redis-py's client
+(``Script.__call__``), and, as the floor, the same bytes written and read on a raw socket.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import statistics
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import redis
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+#: The checkout whose package this process measures (``--client-only`` runs under another's).
+TREE = Path(os.environ.get("BENCH_TREE", str(ROOT)))
+sys.path.insert(0, str(TREE))
 
 from bench.overhead_app import RIDE0_CLAIM, RIDE0_DONE  # noqa: E402
+from celery_claims import RedisClaimManager  # noqa: E402
 from celery_claims.demo.runner import private_redis  # noqa: E402
+from celery_claims.worker.sender import ScriptCaller, _commands, _pack  # noqa: E402
 
 #: Writes the sources a checkout registers, as JSON {name: source}; run with that checkout first
 #: on sys.path (an earlier commit had ``claims/redis.py``'s ``_source``, not ``scripts.py``).
@@ -118,6 +130,64 @@ def measure_ride0(client: redis.Redis, ops: int) -> dict[str, float]:
     return {"claim": claimed, "ack_done": usec_per_call(client)}
 
 
+class _Utf8:
+    """What ``sender._pack`` reads of a connection: its encoder."""
+
+    class encoder:  # the attribute's name in redis-py
+        encoding, encoding_errors = "utf-8", "strict"
+
+
+def client_cpu(url: str, ops: int) -> dict[str, float]:
+    """Client CPU µs per waited ``ack_done`` call: kept connection, redis-py client, raw."""
+    client = redis.Redis.from_url(url)
+    client.flushall()
+    manager = RedisClaimManager(client=client)
+    tokens = [
+        manager.claim_unless_done("q", f"{uuid.uuid4()}:0:0", f"{OWNER_HEAD}{i:x}", LEASE_MS).token
+        for i in range(3 * ops + 1)
+    ]
+    calls = [
+        manager.ack_done_call(t, DONE_TTL_MS, ("ui", "u"), str(i))
+        for i, t in enumerate(tokens)
+        if t is not None
+    ]
+    caller, pool = ScriptCaller(), client.connection_pool
+    caller.call(pool, calls.pop())  # connected, script loaded
+    out: dict[str, float] = {}
+    start = time.process_time()
+    for call in calls[:ops]:
+        caller.call(pool, call)
+    out["kept"] = (time.process_time() - start) / ops * 1e6
+    start = time.process_time()
+    for call in calls[ops : 2 * ops]:
+        call.script(keys=call.keys, args=call.args)
+    out["client"] = (time.process_time() - start) / ops * 1e6
+    kwargs = pool.connection_kwargs
+    sock = socket.create_connection((kwargs["host"], kwargs["port"]))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    packed = [_pack(_commands(c, {c.script.sha}), _Utf8)[0] for c in calls[2 * ops : 3 * ops]]
+    start = time.process_time()
+    for data in packed:
+        sock.sendall(data)
+        sock.recv(65536)  # one small reply: ":1" in an array
+    out["raw"] = (time.process_time() - start) / ops * 1e6
+    sock.close()
+    caller.close()
+    return out
+
+
+def base_client_cpu(tree: Path, url: str, ops: int) -> dict[str, float]:
+    """:func:`client_cpu` measured with the package of the checkout ``tree``."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--client-only", url, "--ops", str(ops)],
+        env={**os.environ, "BENCH_TREE": str(tree)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return dict(json.loads(out.stdout))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -126,7 +196,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--baseline", type=Path, help="another checkout: adds the variant base")
     parser.add_argument("--quick", action="store_true", help="1 round of 300 calls")
+    parser.add_argument("--client-only", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.client_only:
+        # one client_cpu measurement, as JSON, by the package of BENCH_TREE (see main)
+        print(json.dumps(client_cpu(args.client_only, args.ops)))
+        return
     if args.quick:
         args.ops, args.rounds = 300, 1
     trees = {"tree": sources(ROOT)}
@@ -140,12 +215,14 @@ def main() -> None:
             row["ride0"] = measure_ride0(client, args.ops)
             for name, scripts in trees.items():
                 row[name] = measure(client, scripts, args.ops)
+            row["client"] = client_cpu(url, args.ops)
+            if args.baseline is not None:
+                row["client-base"] = base_client_cpu(args.baseline, url, args.ops)
             for name, r in row.items():
                 results.setdefault(name, []).append(r)
-            print(
-                f"round {n}: "
-                + "  ".join(_row(name, r, row["floor"]["call"]) for name, r in row.items())
-            )
+            print(f"round {n}: " + "  ".join(_row(name, r) for name, r in row.items()))
+    cpu = results.pop("client")
+    base_cpu = results.pop("client-base", None)
     floor = statistics.median(r["call"] for r in results.pop("floor"))
     print(f"\nmedian of {args.rounds} rounds x {args.ops} calls (µs per call on the server):")
     print(f"  floor     {floor:6.2f}  (return 1)")
@@ -156,12 +233,23 @@ def main() -> None:
             f"per message {med['claim'] + med['ack_done']:6.2f} "
             f"({(med['claim'] + med['ack_done']) / (2 * floor):.1f}x two floor calls)"
         )
+    med = {k: statistics.median(r[k] for r in cpu) for k in cpu[0]}
+    print(
+        "client CPU µs per waited ack_done call: "
+        f"kept connection {med['kept']:.1f} ({med['kept'] / med['raw']:.2f}x raw), "
+        f"redis-py client {med['client']:.1f} ({med['client'] / med['raw']:.2f}x raw), "
+        f"raw socket {med['raw']:.1f}"
+    )
+    if base_cpu is not None:
+        base = {k: statistics.median(r[k] for r in base_cpu) for k in base_cpu[0]}
+        print(
+            f"  base: kept connection {base['kept']:.1f} ({base['kept'] / base['raw']:.2f}x raw), "
+            f"raw socket {base['raw']:.1f}"
+        )
 
 
-def _row(name: str, r: dict[str, float], floor: float) -> str:
-    if "call" in r:
-        return f"{name} {r['call']:.2f}"
-    return f"{name} {r['claim']:.2f}/{r['ack_done']:.2f}"
+def _row(name: str, r: dict[str, float]) -> str:
+    return f"{name} " + "/".join(f"{v:.2f}" for v in r.values())
 
 
 if __name__ == "__main__":

@@ -42,3 +42,21 @@ def test_the_overhead_benchmark_quick_mode_prints_a_ratio_per_variant() -> None:
     # (counted there), the others none
     store_calls = [row.split("|")[-2].strip() for row in rows]
     assert store_calls == ["", "", "2.00", "", ""] * 2
+
+
+def test_the_script_benchmark_quick_mode_measures_each_script_and_the_kept_call() -> None:
+    # Given the script benchmark in quick mode, with this checkout as its own baseline (every
+    # completion it times must be answered "recorded": the benchmark asserts each reply)
+    args = [sys.executable, "bench/scripts.py", "--quick", "--baseline", str(ROOT)]
+
+    # When it runs
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=110, check=False)
+
+    # Then it printed the server time of each variant's claim and completion, and the
+    # client CPU of a waited call on a kept connection against a raw socket, for both trees
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert [line[0] for line in lines if "claim" in line] == ["ride0", "tree", "base"]
+    client = [line for line in done.stdout.splitlines() if "kept connection" in line]
+    assert len(client) == 2
+    assert all("raw socket" in line for line in client)
