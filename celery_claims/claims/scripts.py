@@ -1,7 +1,7 @@
 """The Lua source of each claim script: the shared preamble's definitions it uses, then itself.
 
-Every script of ``lua/`` but the self-contained journal ones starts with definitions from
-``lua/_common.lua``. Redis runs a script's whole source on every call, so each definition it
+Every claim script of ``lua/`` starts with definitions from ``lua/_common.lua`` (the journal's
+scripts and ``effect_apply.lua`` stand alone). Redis runs a script's whole source on every call, so each definition it
 carries costs that call time (a closure made per ``local function``) and the server's Lua heap
 memory that its garbage collector walks, with every script loaded: measured on Redis 7.0, the
 whole preamble cost about 3 µs per call and each loaded copy slowed every script's collector
