@@ -1,13 +1,13 @@
 """The Lua source of each claim script: the shared preamble's definitions it uses, then itself.
 
 Every claim script of ``lua/`` starts with definitions from ``lua/_common.lua`` (the journal's
-scripts and ``effect_apply.lua`` stand alone). Redis runs a script's whole source on every call, so each definition it
-carries costs that call time (a closure made per ``local function``) and the server's Lua heap
-memory that its garbage collector walks, with every script loaded: measured on Redis 7.0, the
-whole preamble cost about 3 µs per call and each loaded copy slowed every script's collector
-steps (docs/benchmarks.md). A script therefore gets only the definitions it names, directly or
-through other definitions, in the preamble's own order (a Lua local is visible only after its
-definition).
+scripts and ``effect_apply.lua`` stand alone). Redis runs a script's whole source on every
+call, so each definition it carries costs that call time (a closure made per ``local
+function``) and the server's Lua heap memory that its garbage collector walks, with every
+script loaded: measured on Redis 7.0, the whole preamble cost about 3 µs per call and each
+loaded copy slowed every script's collector steps (docs/benchmarks.md). A script therefore
+gets only the definitions it names, directly or through other definitions, in the preamble's
+own order (a Lua local is visible only after its definition).
 
 A definition is a top-level ``local function NAME`` (up to its ``end`` in the first column) or
 a one-line ``local NAME = ...``, with the comment lines just above it; a name counts as used
