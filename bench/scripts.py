@@ -88,8 +88,8 @@ def measure(client: redis.Redis, scripts: dict[str, str], ops: int) -> dict[str,
     client.flushall()
     client.script_flush()
     loaded = {name: client.register_script(source) for name, source in scripts.items()}
-    for source in loaded.values():
-        client.script_load(source.script)
+    for script in loaded.values():
+        client.script_load(script.script)
     if "claim" not in loaded:
         client.config_resetstat()
         for _ in range(ops):
@@ -122,11 +122,13 @@ def measure_ride0(client: redis.Redis, ops: int) -> dict[str, float]:
     ids = [f"{uuid.uuid4()}:0:0" for _ in range(ops)]
     client.config_resetstat()
     for i, task in enumerate(ids):
-        claim(keys=["r:c", "r:d"], args=[task, f"{OWNER_HEAD}{i:x}", LEASE_MS])
+        reply = claim(keys=["r:c", "r:d"], args=[task, f"{OWNER_HEAD}{i:x}", LEASE_MS])
+        assert reply == 1, reply
     claimed = usec_per_call(client)
     client.config_resetstat()
     for i, task in enumerate(ids):
-        done(keys=["r:c", "r:d"], args=[task, f"{OWNER_HEAD}{i:x}"])
+        reply = done(keys=["r:c", "r:d"], args=[task, f"{OWNER_HEAD}{i:x}"])
+        assert reply == 1, reply
     return {"claim": claimed, "ack_done": usec_per_call(client)}
 
 
@@ -173,6 +175,8 @@ def client_cpu(url: str, ops: int) -> dict[str, float]:
     out["raw"] = (time.process_time() - start) / ops * 1e6
     sock.close()
     caller.close()
+    # every call of the three ways completed its claim (a refused one would leave it live)
+    assert manager.active_claims("q") == 0, "a completion was refused"
     return out
 
 
