@@ -41,6 +41,10 @@ from celery_claims.errors import BackendUnavailable, InvalidArgument
 __all__ = ["ScriptCaller", "ScriptSender", "keep_calls", "usable"]
 
 
+#: ``select.poll``, or None where the process has none: eventlet's monkey patching deletes it
+#: from the ``select`` module (a kept connection then probes with redis-py's ``can_read``).
+_POLL: Callable[[], Any] | None = getattr(select, "poll", None)
+
 #: ``on_reply(reply, error)``: the script's raw reply and None, or None and the error.
 OnReply = Callable[[Any, BaseException | None], object]
 
@@ -334,8 +338,8 @@ class _Kept:
         self.pool = pool
         self.conn = pool.make_connection()
         self.loaded: set[str] = set()
-        self._poll = select.poll()
-        self._polled: socket.socket | None = None  # the socket registered on _poll
+        self._poll: Any = None  # a poll object with the connection's socket registered
+        self._polled: socket.socket | None = None  # that socket
 
     def call(self, call: ScriptCall[Any]) -> Any:
         self._ready()
@@ -384,13 +388,14 @@ class _Kept:
             self.loaded.clear()
             conn.connect()
         sock = socket_of(conn)
-        if sock is not self._polled:
+        if sock is not self._polled and _POLL is not None:
             # a poll object of its own per socket: a closed socket's descriptor cannot be
             # unregistered (its fileno is -1), and its number may be reused by another file
-            self._poll = select.poll()
+            self._poll, self._polled = None, None
             if sock is not None:
+                self._poll = _POLL()
                 self._poll.register(sock, select.POLLIN)
-            self._polled = sock
+                self._polled = sock
 
     def _read(self, n: int) -> list[Any]:
         """The next ``n`` replies, errors too (the connection stays in step)."""

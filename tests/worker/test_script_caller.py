@@ -25,6 +25,7 @@ from celery_claims import ClaimToken, RedisClaimManager
 from celery_claims.claims.redis import ScriptCall
 from celery_claims.errors import InsufficientReplicas, InvalidArgument
 from celery_claims.model import Success
+from celery_claims.worker import sender
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.sender import ScriptCaller
 from celery_claims.worker.settings import load_settings
@@ -118,10 +119,14 @@ def test_a_connection_the_server_closed_is_connected_again_before_the_call_is_wr
     assert echo(caller, client, "two") == b"two"
 
 
+@pytest.mark.parametrize("poll", [True, False], ids=["poll", "no-poll"])
 def test_a_connection_killed_between_calls_is_found_before_the_next_call_is_written(
-    server: RedisServer, caller: ScriptCaller
+    server: RedisServer, caller: ScriptCaller, poll: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a kept connection in steady use (its probe is one poll of the socket)
+    # Given a kept connection in steady use: its probe is one poll of the socket, or, in a
+    # process without select.poll (eventlet's monkey patching deletes it), redis-py's can_read
+    if not poll:
+        monkeypatch.setattr(sender, "_POLL", None)
     client = server.client(socket_timeout=5)
     observer = server.client()
     for word in ("one", "two"):
