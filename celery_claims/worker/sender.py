@@ -339,7 +339,10 @@ class _Kept:
         self.conn = pool.make_connection()
         self.loaded: set[str] = set()
         self._poll: Any = None  # a poll object with the connection's socket registered
-        self._polled: socket.socket | None = None  # that socket
+        # that socket, weakly: a strong reference changed the order in which a cycle's
+        # finalizers ran, and the socket's own could warn "unclosed" before the connection's
+        # __del__ closed it (seen in the suite's gc.collect() of an in-process worker)
+        self._polled: weakref.ref[socket.socket] | None = None
 
     def call(self, call: ScriptCall[Any]) -> Any:
         self._ready()
@@ -373,7 +376,8 @@ class _Kept:
         again: nothing was sent, so connecting again is safe."""
         conn = self.conn
         sock = socket_of(conn)
-        if sock is not None and sock is self._polled and not self._poll.poll(0):
+        polled = self._polled
+        if sock is not None and polled is not None and polled() is sock and not self._poll.poll(0):
             # connected and nothing to read: neither closed by the server (EOF) nor holding a
             # reply nobody asked for. One poll(2); redis-py's can_read below costs three system
             # calls and about 13 µs more a call. A complete call leaves nothing in redis-py's
@@ -388,14 +392,15 @@ class _Kept:
             self.loaded.clear()
             conn.connect()
         sock = socket_of(conn)
-        if sock is not self._polled and _POLL is not None:
+        polled = self._polled
+        if _POLL is not None and (polled is None or polled() is not sock):
             # a poll object of its own per socket: a closed socket's descriptor cannot be
             # unregistered (its fileno is -1), and its number may be reused by another file
             self._poll, self._polled = None, None
             if sock is not None:
                 self._poll = _POLL()
                 self._poll.register(sock, select.POLLIN)
-                self._polled = sock
+                self._polled = weakref.ref(sock)
 
     def _read(self, n: int) -> list[Any]:
         """The next ``n`` replies, errors too (the connection stays in step)."""
