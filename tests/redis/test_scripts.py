@@ -1,4 +1,5 @@
-"""The claim scripts' sources: each carries the preamble definitions it names, and no other."""
+"""The claim scripts' sources: each carries every preamble definition it names (and, for the
+bodies checked below, no other), and base 36 is written as Python reads it."""
 
 from __future__ import annotations
 
