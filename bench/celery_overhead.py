@@ -7,8 +7,9 @@ one-round-trip reference ``rt1``, its store-apart counterpart ``rt2-sep``: a rou
 server of its own before the pool and one before the ack; ``ride0``, a minimal claim and
 completion script riding kombu's delivery and ack transactions; celery-claims, celery-once,
 celery-singleton), each on its own queue, and warms each up. Each round then measures, for each
-kind of task (N no-op tasks, then N tasks of 10 ms), one batch per variant back to back, in a
-rotated order per round. A batch is timed from its first publish until the queue and kombu's
+kind of task (N no-op tasks, then N tasks of 10 ms; ``--kinds noop`` times the no-op ones
+alone, which leaves time for more rounds), one batch per variant back to back, in a rotated
+order per round. A batch is timed from its first publish until the queue and kombu's
 unacked set are both empty (every task acked; ``task_acks_late`` for all variants), so the
 producer-side work of celery-once and celery-singleton (their lock is taken when a task is
 sent) counts too. Each variant's time is reported as a ratio to plain Celery's time in the same
@@ -72,6 +73,8 @@ BASE_VARIANTS = ("claims-base", "claims-sep-base")
 PROFILE_DIR: Path | None = None
 #: CPU time of the last batch's publishes in this process (the producer), in s.
 PUBLISH_CPU_S = 0.0
+#: Tasks published so far to each queue, every batch counted (warm-up and untimed ones too).
+PUBLISHED: dict[str, int] = {}
 
 
 def start_worker(
@@ -126,6 +129,7 @@ def run_batch(
     with app.producer_or_acquire() as producer:
         for i in range(n):
             sender.apply_async((offset + i,), queue=queue, producer=producer)
+    PUBLISHED[queue] = PUBLISHED.get(queue, 0) + n
     global PUBLISH_CPU_S
     PUBLISH_CPU_S = time.thread_time() - cpu_start
     deadline = time.monotonic() + timeout
@@ -137,15 +141,18 @@ def run_batch(
     return time.perf_counter() - start
 
 
-def check_ride0(client: redis.Redis, queue: str, records: int) -> None:
-    """Every task of a ``ride0`` batch left its completion record and no claim: its scripts
-    ran, and ran as meant.
+def check_ride0(client: redis.Redis, queue: str) -> None:
+    """Every task published to a ``ride0`` queue so far left its completion record and no
+    claim: its scripts ran, and ran as meant.
 
-    The batch's last message may still be on its way when :func:`run_batch` sees the queue and
-    kombu's unacked set both empty: taken off the list by ``BRPOP`` and not yet written to
-    ``unacked`` (kombu's append is the next round trip). A run stopped on ``(N - 1, 1)`` once;
-    so the check waits a few seconds for the last record before it fails.
+    Counted against every task published to the queue, not against the records before the
+    batch: a batch's last message may still be on its way when :func:`run_batch` sees the
+    queue and kombu's unacked set both empty (taken off the list by ``BRPOP``, not yet
+    written to ``unacked``: kombu's append is the next round trip), so the count before a
+    batch may miss the last record of an unchecked batch before it (a run stopped on
+    ``(N + 1, 0)`` so). The check waits a few seconds for such a record before it fails.
     """
+    records = PUBLISHED.get(queue, 0)
     claims_key, records_key = ride0_keys(queue)
     deadline = time.monotonic() + 5
     while True:
@@ -201,6 +208,11 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--pools", default=",".join(POOLS))
     parser.add_argument(
+        "--kinds",
+        default=",".join(kind for kind, _ in KINDS),
+        help="the kinds of task to time (noop, 10ms): noop alone leaves time for more rounds",
+    )
+    parser.add_argument(
         "--prefetch",
         type=int,
         default=1,
@@ -228,6 +240,8 @@ def main() -> None:
     tasks, rounds, warmup = opts.tasks, opts.rounds, opts.warmup
     variants = tuple(opts.variants.split(","))
     pools = tuple(opts.pools.split(","))
+    kinds = tuple((kind, task) for kind, task in KINDS if kind in opts.kinds.split(","))
+    assert kinds, f"--kinds: choose among {', '.join(kind for kind, _ in KINDS)}"
     if opts.quick:
         tasks, rounds, warmup, pools = 100, 1, 10, ("prefork",)
     assert variants[0] == "plain", "ratios are against plain Celery: list it first"
@@ -263,7 +277,7 @@ def main() -> None:
                 for rnd in range(rounds):
                     # rotate the order so no variant always runs first (or on a warmer machine)
                     order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
-                    for kind, task in KINDS:
+                    for kind, task in kinds:
                         measured: dict[str, float] = {}
                         # an untimed batch first: the first batch after a change of pace (the
                         # idle 10 ms phase, the warm-up) ran up to 1.7x slower whichever
@@ -275,7 +289,6 @@ def main() -> None:
                             queue = f"bench-{variant}-{pool}"
                             log = logs / f"{queue}.log"
                             before = script_calls(store)
-                            records = client.hlen(ride0_keys(queue)[1]) if variant == "ride0" else 0
                             cpu_before = cpu_ns(procs[variant].pid, server_pid)
                             measured[variant] = run_batch(
                                 client, url, variant, queue, task, tasks, log=log
@@ -296,7 +309,7 @@ def main() -> None:
                                 )
                             )
                             if variant == "ride0":
-                                check_ride0(client, queue, records + tasks)
+                                check_ride0(client, queue)
                             if "sep" in variant:
                                 # the last records and keeper beats may come after the acks
                                 time.sleep(0.5)
@@ -340,7 +353,7 @@ def main() -> None:
     )
     print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for pool in pools:
-        for kind, _ in KINDS:
+        for kind, _ in kinds:
             plain = cpus[(pool, kind, "plain")]
             plain_cpu = [statistics.median(c) for c in zip(*plain, strict=True)]
             for variant in variants:
