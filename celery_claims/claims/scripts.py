@@ -66,8 +66,14 @@ def _split(preamble: str) -> tuple[str, list[_Definition]]:
             continue
         body = [line]
         if line.startswith("local function "):
+            start = i
             while lines[i] != "end":
                 i += 1
+                if i == len(lines):
+                    raise ValueError(
+                        f"_common.lua line {start + 1}: local function {match.group(1)} has no "
+                        "'end' in the first column"
+                    )
                 body.append(lines[i])
         found.append((match.group(1), [*pending, *body]))
         pending = []

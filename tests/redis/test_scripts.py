@@ -65,6 +65,12 @@ def test_the_preamble_refuses_top_level_code_that_is_no_definition() -> None:
         _split("-- a comment\nlocal function f()\n  return 1\nend\nredis.call('DEL', 'x')\n")
 
 
+def test_the_preamble_refuses_a_function_whose_end_is_not_in_the_first_column() -> None:
+    # its end indented, or missing: the definition would run to the end of the file
+    with pytest.raises(ValueError, match=r"line 2: local function f has no 'end'"):
+        _split("-- a comment\nlocal function f()\n  return 1\n  end\n")
+
+
 @pytest.mark.parametrize(
     "n", [0, 1, 35, 36, 37, 1295, 1296, 46655, 46656, 60_000, 1_733_370_000_123, 2**53 - 1]
 )
