@@ -240,8 +240,10 @@ def main() -> None:
     tasks, rounds, warmup = opts.tasks, opts.rounds, opts.warmup
     variants = tuple(opts.variants.split(","))
     pools = tuple(opts.pools.split(","))
+    unknown = set(opts.kinds.split(",")) - {kind for kind, _ in KINDS}
+    if unknown:
+        parser.error(f"--kinds: unknown {', '.join(sorted(unknown))}; choose among noop, 10ms")
     kinds = tuple((kind, task) for kind, task in KINDS if kind in opts.kinds.split(","))
-    assert kinds, f"--kinds: choose among {', '.join(kind for kind, _ in KINDS)}"
     if opts.quick:
         tasks, rounds, warmup, pools = 100, 1, 10, ("prefork",)
     assert variants[0] == "plain", "ratios are against plain Celery: list it first"
