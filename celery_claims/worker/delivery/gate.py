@@ -7,11 +7,11 @@ runs in the worker's main process, and it is set before the strategies capture i
 wrapper survives connection restarts.
 
 For each request it claims the task (``claim_unless_done``) and hands the outcome to the
-lifecycle (:mod:`celery_claims.worker.lifecycle`), which decides what happens to the copy:
+lifecycle (:mod:`celery_claims.worker.delivery.lifecycle`), which decides what happens to the copy:
 run it, skip it, hold it. Where the claim store is the Redis broker's own server, the claim
 was sent already, in the transaction in which kombu recorded the delivery
-(:class:`~celery_claims.worker.compat.BrokerRide`): the gate reads its reply. Elsewhere it
-queues the claim on the consumer's own connection (:mod:`celery_claims.worker.pipe`: sent
+(:class:`~celery_claims.worker.transport.broker.BrokerRide`): the gate reads its reply. Elsewhere it
+queues the claim on the consumer's own connection (:mod:`celery_claims.worker.transport.pipe`: sent
 when the event loop is about to poll, in one script call with the other claims and records
 of its queue queued meanwhile) and goes on; the copy is decided when the event loop reads the
 reply (without an event loop, the manager's blocking client makes the round trip). For a
@@ -37,14 +37,15 @@ from celery_claims.claims.redis import ScriptCall
 from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument, KeyRefused
 from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
-from celery_claims.worker.compat import BrokerRide, unwrap_exception
-from celery_claims.worker.guard import REQUEST_KEY, SETTLE_KEY, is_guarded
+from celery_claims.worker.compat import unwrap_exception
+from celery_claims.worker.delivery.guard import REQUEST_KEY, SETTLE_KEY, is_guarded
+from celery_claims.worker.delivery.keyed import KeyedClaim, KeySpecs
+from celery_claims.worker.delivery.lifecycle import Copy, State
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
-from celery_claims.worker.keyed import KeyedClaim, KeySpecs
-from celery_claims.worker.lifecycle import Copy, State
-from celery_claims.worker.pipe import Pipe, consumer_pipe
 from celery_claims.worker.policy import is_exempt, time_limit_of
 from celery_claims.worker.runtime import ClaimsRuntime
+from celery_claims.worker.transport.broker import BrokerRide
+from celery_claims.worker.transport.pipe import Pipe, consumer_pipe
 
 __all__ = ["ClaimGate"]
 

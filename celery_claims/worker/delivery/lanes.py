@@ -70,7 +70,7 @@ from celery_claims.lanes.model import (
 )
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.worker import signals
-from celery_claims.worker.keyed import key_text, signature_of
+from celery_claims.worker.delivery.keyed import key_text, signature_of
 from celery_claims.worker.settings import ClaimsSettings, LaneSpec
 
 __all__ = ["Lane", "LaneSlot", "LaneWaiter", "Ticket", "WorkerLaneView", "WorkerLanes"]
@@ -118,7 +118,7 @@ class LaneWaiter:
 
     Attributes:
         request: the worker's ``Request``.
-        claim: its :class:`~celery_claims.worker.lifecycle.Copy`.
+        claim: its :class:`~celery_claims.worker.delivery.lifecycle.Copy`.
         since: when it started waiting (``time.monotonic()``).
         held: its prefetch slot was given back (the lane was full on a pass).
         ticket: the ticket it will claim, once it is among the first ``limit`` waiting.
@@ -240,7 +240,7 @@ class WorkerLanes:
         self.dispatch: Callable[[Any, LaneSlot], None] | None = None
         #: the worker's prefetch slot ledger (``lifecycle.SlotLedger``), set by the lifecycle
         self.slots: Any = None
-        #: the lifecycle's :class:`~celery_claims.worker.compat.LoopWaker` (set by it)
+        #: the lifecycle's :class:`~celery_claims.worker.transport.loop.LoopWaker` (set by it)
         self.waker: Any = None
 
     @staticmethod

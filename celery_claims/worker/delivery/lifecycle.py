@@ -48,31 +48,29 @@ from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
 from celery_claims.model import AlreadyClaimed, AlreadyDone, ClaimToken, Success, TookOver
 from celery_claims.worker import signals
 from celery_claims.worker.compat import (
-    BrokerRide,
-    Delivery,
-    LoopWaker,
     before_gone,
     fail_unrun,
-    forget_delivery,
     message_state,
     republish,
     requeued,
     result_ready,
     revoke_unrun,
 )
-from celery_claims.worker.failover import RecentCompletions
-from celery_claims.worker.guard import (
+from celery_claims.worker.delivery.guard import (
     REQUEST_KEY,
     ClaimUnverified,
     StaleCopy,
     records_left_to_worker,
 )
+from celery_claims.worker.delivery.keyed import RESCHEDULES_HEADER, KeyedClaim
+from celery_claims.worker.delivery.lanes import Lane, LaneSlot, WorkerLanes
+from celery_claims.worker.delivery.verdict import Recovery, Verdict, record_done, recover
 from celery_claims.worker.identity import new_owner
-from celery_claims.worker.keyed import RESCHEDULES_HEADER, KeyedClaim
-from celery_claims.worker.lanes import Lane, LaneSlot, WorkerLanes
-from celery_claims.worker.recovery import Recovery, Verdict, record_done, recover
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.signals import Counters
+from celery_claims.worker.transport.broker import BrokerRide, Delivery, forget_delivery
+from celery_claims.worker.transport.failover import RecentCompletions
+from celery_claims.worker.transport.loop import LoopWaker
 
 __all__ = ["TRANSITIONS", "Copy", "Lifecycle", "SlotLedger", "State"]
 

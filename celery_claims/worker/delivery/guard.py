@@ -55,11 +55,11 @@ from celery.utils.log import get_logger
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
 from celery_claims.fencing import TaskClaim
+from celery_claims.worker.delivery.verdict import Verdict, record_done, recover
 from celery_claims.worker.policy import is_exempt
-from celery_claims.worker.recovery import Verdict, record_done, recover
-from celery_claims.worker.sender import ScriptCaller, ScriptSender, keep_calls, usable
 from celery_claims.worker.settings import ClaimsSettings
-from celery_claims.worker.store import new_manager
+from celery_claims.worker.transport.sender import ScriptCaller, ScriptSender, keep_calls, usable
+from celery_claims.worker.transport.store import new_manager
 
 __all__ = [
     "REQUEST_KEY",
