@@ -25,7 +25,7 @@ from celery_claims import ClaimToken, RedisClaimManager
 from celery_claims.claims.redis import ScriptCall
 from celery_claims.errors import InsufficientReplicas, InvalidArgument
 from celery_claims.model import Success
-from celery_claims.worker import sender
+from celery_claims.worker.transport import sender
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.settings import load_settings
 from celery_claims.worker.transport.sender import ScriptCaller
