@@ -19,6 +19,7 @@ import kombu
 from celery import signals as celery_signals
 from celery.utils.log import get_logger
 from celery.utils.saferepr import saferepr
+from celery.worker.state import task_ready
 
 __all__ = [
     "TESTED",
@@ -33,6 +34,7 @@ __all__ = [
     "requeued",
     "result_ready",
     "revoke_unrun",
+    "task_ready",
     "unwrap_exception",
     "wrap_send_task",
     "wrap_task_sender",

@@ -7,8 +7,9 @@ from typing import Any
 
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import close as close_client
+from celery_claims.worker.delivery.copy import Copy
 from celery_claims.worker.delivery.lanes import WorkerLanes
-from celery_claims.worker.delivery.lifecycle import Copy, Lifecycle
+from celery_claims.worker.delivery.lifecycle import Lifecycle
 from celery_claims.worker.publish.journal import PUBLISH_COUNTERS, WorkerJournal
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.signals import Counters

@@ -38,9 +38,10 @@ from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
 from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
 from celery_claims.worker.compat import unwrap_exception
+from celery_claims.worker.delivery.copy import Copy
 from celery_claims.worker.delivery.guard import REQUEST_KEY, SETTLE_KEY, is_guarded
 from celery_claims.worker.delivery.keyed import KeyedClaim, KeySpecs
-from celery_claims.worker.delivery.lifecycle import Copy, State
+from celery_claims.worker.delivery.state import State
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
 from celery_claims.worker.policy import is_exempt, time_limit_of
 from celery_claims.worker.runtime import ClaimsRuntime

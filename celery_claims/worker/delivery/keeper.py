@@ -43,7 +43,8 @@ from collections import defaultdict
 from celery.utils.log import get_logger
 
 from celery_claims.errors import BackendUnavailable
-from celery_claims.worker.delivery.lifecycle import Copy, State
+from celery_claims.worker.delivery.copy import Copy
+from celery_claims.worker.delivery.state import State
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.transport.broker import refresh_unacked
 from celery_claims.worker.transport.failover import MasterWatch
