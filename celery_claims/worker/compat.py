@@ -11,18 +11,25 @@ it expects is missing (the broker then redelivers, nothing is lost).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import celery
 import kombu
 from celery import signals as celery_signals
+from celery.exceptions import TaskRevokedError
 from celery.utils.log import get_logger
 from celery.utils.saferepr import saferepr
 from celery.worker.state import task_ready
 
 __all__ = [
     "TESTED",
+    "RequestHooks",
+    "hook_request",
+    "request_fields",
+    "set_request_field",
+    "prefetch_qos",
     "before_gone",
     "check_versions",
     "close_result_backend",
@@ -307,3 +314,101 @@ def revoke_unrun(request: Any, reason: str) -> None:
         request=getattr(request, "_context", None),
         store_result=getattr(request, "store_errors", True),
     )
+
+
+def request_fields(request: Any) -> Mapping[str, Any]:
+    """The request's ``request_dict``: the message's fields the pool hands to the tracer."""
+    fields: Mapping[str, Any] = request.request_dict
+    return fields
+
+
+def set_request_field(request: Any, key: str, value: Any) -> None:
+    """Set ``key`` in the request dict, or remove it for None.
+
+    The request dict is what the pool hands to the tracer (pickled to a prefork child), which
+    builds the task's ``self.request`` from it: how task code and the pool-side guard see
+    what the worker decided. Read in Celery 5.3 to 5.7 (``Request.request_dict``).
+    """
+    if value is None:
+        request.request_dict.pop(key, None)
+    else:
+        request.request_dict[key] = value
+
+
+def prefetch_qos(consumer: Any) -> tuple[Any, int]:
+    """The consumer's prefetch QoS (``consumer.qos``, Celery's ``QoS`` with
+    ``increment_eventually``) and its initial prefetch count (0: no limit)."""
+    return consumer.qos, int(getattr(consumer, "initial_prefetch_count", 0) or 0)
+
+
+@dataclass(frozen=True)
+class RequestHooks:
+    """What to call as the pool reports on a request; each handler argument is Celery's own.
+
+    Attributes:
+        accepted: after Celery's ``on_accepted`` (the pool started it).
+        succeeded: ``succeeded(handler)``: the body returned; ``handler()`` is Celery's
+            ``on_success``, to be called by the hook (or not, for a stale copy).
+        failed: ``failed(exc, handler)``: the attempt failed with ``exc`` (unwrapped from
+            prefork's pickling wrapper); ``handler()`` is Celery's ``on_failure``.
+        timed_out: ``timed_out(soft, handler)``: a time limit fired; ``handler()`` is
+            Celery's ``on_timeout``.
+        revoked: it was revoked before it ran (Celery acks it without a callback).
+    """
+
+    accepted: Callable[[], object]
+    succeeded: Callable[[Callable[[], object]], object]
+    failed: Callable[[BaseException | None, Callable[[], object]], object]
+    timed_out: Callable[[bool, Callable[[], object]], object]
+    revoked: Callable[[], object]
+
+
+def hook_request(request: Any, hooks: RequestHooks) -> None:
+    """Route the pool's reports on ``request`` through ``hooks``.
+
+    Replaces ``on_accepted``, ``on_success``, ``on_failure``, ``on_timeout`` and
+    ``execute_using_pool`` on the request's instance: Celery's generated ``Request`` subclass
+    defines them on the class, and the pool call looks them up on the instance at call time.
+    A failed trace reaches ``on_success`` first and goes on to ``on_failure``. Read in Celery
+    5.3 to 5.7 (``celery/worker/request.py``).
+    """
+    on_accepted = request.on_accepted
+    on_success = request.on_success
+    on_failure = request.on_failure
+    on_timeout = request.on_timeout
+    execute_using_pool = request.execute_using_pool
+
+    def claims_on_accepted(*args: Any, **kwargs: Any) -> Any:
+        result = on_accepted(*args, **kwargs)
+        hooks.accepted()
+        return result
+
+    def claims_on_success(failed__retval__runtime: Any, **kwargs: Any) -> Any:
+        if failed__retval__runtime[0]:
+            # a failed trace goes on to request.on_failure, which is hooked too
+            return on_success(failed__retval__runtime, **kwargs)
+        hooks.succeeded(lambda: on_success(failed__retval__runtime, **kwargs))
+        return None
+
+    def claims_on_failure(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
+        exc = unwrap_exception(getattr(exc_info, "exception", None))
+        hooks.failed(exc, lambda: on_failure(exc_info, *args, **kwargs))
+        return None
+
+    def claims_on_timeout(soft: bool, timeout: Any) -> Any:
+        hooks.timed_out(soft, lambda: on_timeout(soft, timeout))
+        return None
+
+    def claims_execute_using_pool(pool: Any, **kwargs: Any) -> Any:
+        try:
+            return execute_using_pool(pool, **kwargs)
+        except TaskRevokedError:
+            # revoked before it ran: Celery acks it without calling any callback
+            hooks.revoked()
+            raise
+
+    request.on_accepted = claims_on_accepted
+    request.on_success = claims_on_success
+    request.on_failure = claims_on_failure
+    request.on_timeout = claims_on_timeout
+    request.execute_using_pool = claims_execute_using_pool

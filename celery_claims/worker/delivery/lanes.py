@@ -72,6 +72,7 @@ from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.worker import signals
 from celery_claims.worker.delivery.keyed import key_text, signature_of
 from celery_claims.worker.settings import ClaimsSettings, LaneSpec
+from celery_claims.worker.transport.loop import on_loop_soon
 
 __all__ = ["Lane", "LaneSlot", "LaneWaiter", "Ticket", "WorkerLaneView", "WorkerLanes"]
 
@@ -497,14 +498,7 @@ class WorkerLanes:
         if consumer is None or lane.soon:
             return
         lane.soon = True
-        hub = getattr(consumer, "hub", None)
-        if hub is not None and self.waker is not None:
-            # thread-safe; the waker wakes the loop if it sleeps in poll (kombu before 5.7)
-            self.waker.call_soon(consumer, self._soon_pass, lane, why)
-        elif hub is not None:
-            hub.call_soon(self._soon_pass, lane, why)
-        else:
-            consumer.timer.call_after(0, self._soon_pass, (lane, why), priority=6)
+        on_loop_soon(consumer, self.waker, self._soon_pass, lane, why)
 
     def _soon_pass(self, lane: Lane, why: str) -> None:
         lane.soon = False

@@ -47,10 +47,12 @@ from celery_claims.worker.compat import (
     before_gone,
     fail_unrun,
     message_state,
+    prefetch_qos,
     republish,
     requeued,
     result_ready,
     revoke_unrun,
+    set_request_field,
     task_ready,
 )
 from celery_claims.worker.delivery.copy import Copy
@@ -186,8 +188,9 @@ class Lifecycle:
         """The caller is the consumer's event loop (the gate calls this for each message)."""
         self._loop_thread = threading.get_ident()
         self.waker.attach(self._consumer)
-        if self.slots.qos is not self._consumer.qos:
-            self.slots.bind(self._consumer.qos, int(self._consumer.initial_prefetch_count or 0))
+        qos, window = prefetch_qos(self._consumer)
+        if self.slots.qos is not qos:
+            self.slots.bind(qos, window)
 
     # --- the registry -----------------------------------------------------------------------
 
@@ -1234,7 +1237,7 @@ class Lifecycle:
         owner = new_owner(self.hostname)
         copy.owner = owner if copy.key is None else copy.key.owner(owner)
         copy.token = None
-        copy.request.request_dict.pop(REQUEST_KEY, None)
+        set_request_field(copy.request, REQUEST_KEY, None)
         if self._recheck is not None:
             self._recheck(copy)
 

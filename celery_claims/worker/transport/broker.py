@@ -188,6 +188,12 @@ class BrokerRide:
     APPEND_HOOK = "_celery_claims_append_hook"
 
     @classmethod
+    def of_consumer(cls, consumer: Any, store_client: Any) -> BrokerRide | None:
+        """The ride of a Celery consumer's task channel (``consumer.task_consumer.channel``)."""
+        channel = getattr(getattr(consumer, "task_consumer", None), "channel", None)
+        return cls.of(channel, store_client)
+
+    @classmethod
     def of(cls, channel: Any, store_client: Any) -> BrokerRide | None:
         """The ride on ``channel``, if its deliveries can be written by the claim store's
         scripts: kombu's Redis transport, a client of the same server and database as

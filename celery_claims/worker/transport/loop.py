@@ -13,7 +13,7 @@ from typing import Any
 
 from kombu.asynchronous import get_event_loop, set_event_loop
 
-__all__ = ["LoopWaker", "forget_hub_when_closed"]
+__all__ = ["LoopWaker", "forget_hub_when_closed", "on_loop_soon"]
 
 
 class LoopWaker:
@@ -110,3 +110,21 @@ def forget_hub_when_closed(hub: Any) -> None:
 def _forget_event_loop(hub: Any) -> None:
     if get_event_loop() is hub:
         set_event_loop(None)
+
+
+def on_loop_soon(
+    consumer: Any, waker: LoopWaker | None, fn: Callable[..., object], *args: Any
+) -> None:
+    """Run ``fn(*args)`` on the consumer's event loop soon, from any thread.
+
+    Through ``waker`` where the consumer has a hub (it wakes a loop asleep in poll on kombu
+    before 5.7), the hub's own ``call_soon`` without one, and the consumer's timer where there
+    is no hub (Celery's ``synloop``: the gevent and eventlet pools).
+    """
+    hub = getattr(consumer, "hub", None)
+    if hub is not None and waker is not None:
+        waker.call_soon(consumer, fn, *args)
+    elif hub is not None:
+        hub.call_soon(fn, *args)
+    else:
+        consumer.timer.call_after(0, fn, args, priority=6)
