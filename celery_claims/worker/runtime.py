@@ -68,7 +68,7 @@ class ClaimsRuntime:
         self.journal: WorkerJournal | None = None
         if settings.journal:
             self.journal = WorkerJournal(app, settings, self.manager, self.counters, hostname)
-            self.life.on_settled = self.journal.settled
+            self.life.on_gone = self.journal.settled
 
     def live_claims(self) -> list[Copy]:
         """The copies whose claims are renewed right now."""
