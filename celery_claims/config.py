@@ -23,6 +23,7 @@ Django-style ``CELERY_CLAIMS_*`` values). This module imports neither Celery nor
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import sys
@@ -58,7 +59,10 @@ __all__ = [
     "SETTINGS",
     "LaneSpec",
     "Setting",
+    "LANE_KEYS",
+    "NAMESPACE",
     "broker_url",
+    "closest",
     "derived_renew_interval_ms",
     "parse_lanes",
     "parse_ports",
@@ -446,7 +450,29 @@ def parse_key_declaration(where: str, raw: object) -> tuple[tuple[str, ...], Key
     return names, None
 
 
+# --- names -----------------------------------------------------------------------------------
+
+#: The namespace of every setting and task attribute of this package (``claims`` alone is a
+#: task attribute too).
+NAMESPACE = "claims_"
+
+
+def closest(word: str, known: Iterable[str]) -> str | None:
+    """The name of ``known`` that ``word`` most resembles (:mod:`difflib`), or None.
+
+    Names are compared without the ``claims_`` they all share: with it, any two would look
+    alike.
+    """
+    bare = {name.removeprefix(NAMESPACE): name for name in known}
+    found = difflib.get_close_matches(word.removeprefix(NAMESPACE), list(bare), n=1)
+    return bare[found[0]] if found else None
+
+
 # --- lanes -----------------------------------------------------------------------------------
+
+#: The keys of one lane's dict in ``claims_lanes`` (a keyed lane has ``key`` and
+#: ``limit_per_key`` too).
+LANE_KEYS = ("queues", "limit", "kinds", "key", "limit_per_key")
 
 
 @dataclass(frozen=True)
@@ -523,13 +549,7 @@ def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
             )
         if not isinstance(spec, Mapping):
             raise InvalidArgument("claims_lanes", f"lane {name!r} must be a dict, got {spec!r:.80}")
-        unknown = sorted(set(spec) - {"queues", "limit", "kinds", "key", "limit_per_key"})
-        if unknown:
-            raise InvalidArgument(
-                "claims_lanes",
-                f"lane {name!r} has unknown keys {unknown}; use queues, limit, kinds, key and "
-                f"limit_per_key",
-            )
+        _refuse_unknown_lane_keys(name, spec)
         if "queues" not in spec or "limit" not in spec:
             raise InvalidArgument("claims_lanes", f"lane {name!r} needs 'queues' and 'limit'")
         queues = _names(f"lane {name!r} queues", spec["queues"])
@@ -565,6 +585,23 @@ def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
                     f"kinds",
                 )
     return tuple(lanes)
+
+
+def _refuse_unknown_lane_keys(name: str, spec: Mapping[Any, Any]) -> None:
+    """Refuse a key of lane ``name`` that is not in :data:`LANE_KEYS`, naming the one it
+    resembles (a misspelt ``limit`` would otherwise leave the lane without one)."""
+    unknown = sorted((key for key in spec if key not in LANE_KEYS), key=repr)
+    if not unknown:
+        return
+    said = []
+    for key in unknown:
+        like = closest(key, LANE_KEYS) if isinstance(key, str) else None
+        said.append(f"{key!r:.80}" + (f" (did you mean {like}?)" if like else ""))
+    raise InvalidArgument(
+        "claims_lanes",
+        f"lane {name!r} has unknown key{'s' if len(said) > 1 else ''} {', '.join(said)}; a "
+        f"lane takes queues, limit, kinds, key and limit_per_key",
+    )
 
 
 def _lane_key(
