@@ -164,7 +164,11 @@ def declared_queues(conf: Any) -> set[str] | None:
         if name is not None:
             queues.add(name)
     routes = conf.get("task_routes", None) or ()
-    for router in [routes] if isinstance(routes, Mapping) else routes:
+    if isinstance(routes, Mapping):
+        routes = [routes]
+    elif not isinstance(routes, (list, tuple)):
+        return None  # one router: a function, or the import path of one
+    for router in routes:
         if not isinstance(router, Mapping):
             return None
         for route in router.values():

@@ -90,9 +90,10 @@ CASES: dict[str, Callable[[], None]] = {
     "setting_as_task_attribute": _task(claims_key="customer", claims_done_ttl_ms=1000),
     "lane_key_typo": _conf(claims_lanes={"video": {"queues": [QUEUE], "limt": 2}}),
     "keyed_lane_key_typo": _conf(
-        claims_lanes={"video": {"queues": [QUEUE], "limit": 2, "key": "customer",
-                                "limit_per_kye": 1}}
-    ),  # fmt: skip
+        claims_lanes={
+            "video": {"queues": [QUEUE], "limit": 2, "key": "customer", "limit_per_kye": 1}
+        }
+    ),
     "held_recheck_zero": _conf(claims_held_recheck_ms=0),
     "malformed_lane": _conf(claims_lanes={"video": {"queues": QUEUE, "limit": 2}}),
     "key_conflict_value": _conf(claims_key_conflict="skp"),
