@@ -810,9 +810,14 @@ SETTINGS: tuple[Setting, ...] = (
         '["app.render"]}}`. Each lane caps how many claimed tasks delivered from its `queues` '
         "(only the task names in `kinds`, when given) run at once across every worker that "
         "has the same setting. `limit` 0 pauses the lane. Checked at worker start: unknown "
-        "keys, an empty or non-list `queues`/`kinds`, a negative or non-int `limit`, and two "
+        "keys (each named with the key it resembles: `'limt' (did you mean limit?)`), an "
+        "empty or non-list `queues`/`kinds`, a negative or non-int `limit`, and two "
         "lanes that could both cover a message (same queue, overlapping or missing `kinds`) "
-        "are refused with an error naming `claims_lanes` and the lane. All workers of a lane "
+        "are refused with an error naming `claims_lanes` and the lane. A lane that matches "
+        "nothing (none of its `queues` is declared in `task_queues`, `task_routes`, "
+        "`task_default_queue` or the worker's `-Q`, or none of its `kinds` is a registered "
+        "task) gets a warning naming the queue or task it could have meant; an error under "
+        "`claims_strict_settings`. All workers of a lane "
         'must agree on its limit. A **keyed lane** adds `"key"` (an argument name, a tuple '
         "of them, or a callable of `(args, kwargs)`, as for `claims_key`) and "
         '`"limit_per_key"` (an int from 1 to `limit`): at most that many of its tasks with one '
@@ -838,8 +843,10 @@ SETTINGS: tuple[Setting, ...] = (
         _bool,
         False,
         "At worker start the unsafe-settings check (`celery claims check`) runs and logs each "
-        "finding as a warning with its fix. With `True` the worker refuses to start instead "
-        "(error naming `claims_strict_settings` and listing every finding, non-zero exit).",
+        "finding (and each lane that matches nothing) as a warning with its fix. With `True` "
+        "the worker refuses to start instead (error naming `claims_strict_settings` and "
+        "listing every finding, non-zero exit). It does not soften anything else: an unknown "
+        "`claims_*` name or a bad value stops the worker either way.",
         unit="bool",
         option=bool,
         option_help="Refuse to start on an unsafe Celery setting.",
