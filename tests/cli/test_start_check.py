@@ -105,11 +105,12 @@ def _env(case: str, broker: RedisServer) -> dict[str, str]:
     return {**env, "CLAIMS_TEST_CASE": case, "CLAIMS_TEST_BROKER": broker.url}
 
 
-def start_worker(case: str, broker: RedisServer) -> Start:
+def start_worker(case: str, broker: RedisServer, *options: str) -> Start:
     """Start ``celery -A app worker`` on ``case``; stop it once ready (if it gets there)."""
     command = [
         sys.executable, "-m", "celery", "-A", APP, "worker", "-P", "solo", "-l", "INFO",
         "-n", f"{case}@names", "--without-mingle", "--without-gossip", "--without-heartbeat",
+        *options,
     ]  # fmt: skip
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
@@ -138,10 +139,10 @@ def start_worker(case: str, broker: RedisServer) -> Start:
     return Start(ready, None if ready else proc.returncode, output)
 
 
-def check(case: str, broker: RedisServer) -> subprocess.CompletedProcess[str]:
+def check(case: str, broker: RedisServer, *options: str) -> subprocess.CompletedProcess[str]:
     """``celery -A app claims check`` on ``case``."""
     return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", APP, "claims", "check"],
+        [sys.executable, "-m", "celery", "-A", APP, "claims", "check", *options],
         env=_env(case, broker),
         capture_output=True,
         text=True,
@@ -203,3 +204,15 @@ def test_a_lane_that_matches_nothing_is_a_warning_naming_what_it_could_have_mean
         assert "did you mean 'names-video'?" in line
     assert started.ready
     assert checked.returncode == 0
+
+
+def test_a_lane_on_a_queue_the_worker_consumes_matches_something(broker: RedisServer) -> None:
+    # Given a strict app whose lane is on a queue it does not declare
+    # When a worker consuming that queue (-Q) starts, and check is told of it
+    started = start_worker("lane_matches_nothing_strict", broker, "-Q", "names-vidoe")
+    checked = check("lane_matches_nothing_strict", broker, "-Q", "names-vidoe")
+
+    # Then the lane matches the worker's queue: nothing is refused
+    assert started.ready, started.output[-3000:]
+    assert "matches nothing" not in started.output
+    assert checked.returncode == 0, checked.stdout + checked.stderr
