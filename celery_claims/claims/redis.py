@@ -122,8 +122,8 @@ class ScriptCall(Generic[_T]):
     """One script call, checked and built but not sent.
 
     :meth:`RedisClaimManager.execute` sends it through the manager's client; a worker's
-    consumer sends it on its own connection (``celery_claims.worker.pipe``). Either way the
-    reply goes through ``decode``, which returns the result or raises the package's error.
+    consumer sends it on its own connection (``celery_claims.worker.transport.pipe``). Either way
+    the reply goes through ``decode``, which returns the result or raises the package's error.
 
     Attributes:
         script: the registered script (``sha`` for ``EVALSHA``, ``script`` for ``EVAL``).
@@ -410,7 +410,7 @@ class RedisClaimManager:
     def send_calls_with(self, send: Callable[[ScriptCall[Any]], Any] | None) -> None:
         """Send every single call (:meth:`execute`) with ``send(call)``, which returns the
         call's raw reply or raises redis-py's errors: a connection kept by the caller (a
-        worker's pool process keeps one, ``celery_claims.worker.sender.ScriptCaller``).
+        worker's pool process keeps one, ``celery_claims.worker.transport.sender.ScriptCaller``).
         None: through the client again.
 
         Raises:

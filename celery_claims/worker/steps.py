@@ -2,14 +2,14 @@
 
 - :class:`LeaseKeeper` (worker): reads and checks the settings, creates the worker's
   :class:`~celery_claims.worker.runtime.ClaimsRuntime` (``worker.claims``), guards the tasks'
-  ``run`` and runs the :class:`~celery_claims.worker.keeper.Keeper` thread.
+  ``run`` and runs the :class:`~celery_claims.worker.delivery.keeper.Keeper` thread.
 - :class:`EventJournal` (worker): stops the event journal's writer at shutdown, after writing
   what it holds for a bounded time (:func:`~celery_claims.worker.event_journal.stop_journal`).
-- :class:`Gate` (consumer): installs the :class:`~celery_claims.worker.gate.ClaimGate` in
+- :class:`Gate` (consumer): installs the :class:`~celery_claims.worker.delivery.gate.ClaimGate` in
   front of ``consumer.on_task_request``.
 - :class:`Sweep` (consumer): runs the Redis broker's restore sweep where kombu does not run it
-  at the configured cadence (:class:`~celery_claims.worker.sweep.RestoreSweep`: pools without
-  an event loop, and kombu before 5.7).
+  at the configured cadence (:class:`~celery_claims.worker.transport.sweep.RestoreSweep`: pools
+  without an event loop, and kombu before 5.7).
 """
 
 from __future__ import annotations
@@ -23,18 +23,13 @@ from celery.utils.log import get_logger
 from celery_claims.errors import InvalidArgument
 from celery_claims.names import check_names, lane_findings
 from celery_claims.safety import Finding, Severity, check_settings
-from celery_claims.worker.compat import (
-    check_versions,
-    forget_hub_when_closed,
-    pool_name,
-    store_is_broker,
-)
+from celery_claims.worker.compat import check_versions, pool_name
+from celery_claims.worker.delivery.gate import ClaimGate
+from celery_claims.worker.delivery.guard import guard_tasks
+from celery_claims.worker.delivery.keeper import Keeper
 from celery_claims.worker.event_journal import stop_journal
-from celery_claims.worker.gate import ClaimGate
-from celery_claims.worker.guard import guard_tasks
-from celery_claims.worker.journal import connect_producer
-from celery_claims.worker.keeper import Keeper
 from celery_claims.worker.policy import check_task_policies
+from celery_claims.worker.publish.journal import connect_producer
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.settings import (
     WORKER_OPTION_NAMES,
@@ -42,8 +37,10 @@ from celery_claims.worker.settings import (
     SettingRefused,
     load_settings,
 )
-from celery_claims.worker.store import check_store
-from celery_claims.worker.sweep import RestoreSweep, bound_restore_lock
+from celery_claims.worker.transport.broker import store_is_broker
+from celery_claims.worker.transport.loop import forget_hub_when_closed
+from celery_claims.worker.transport.store import check_store
+from celery_claims.worker.transport.sweep import RestoreSweep, bound_restore_lock
 
 __all__ = ["EventJournal", "Gate", "LeaseKeeper", "Sweep", "check_start", "check_unsafe_settings"]
 

@@ -24,7 +24,7 @@ from celery.worker import state as worker_state
 from celery_claims import InvalidArgument, RedisClaimManager
 from celery_claims.claims.journal import RedisJournal
 from celery_claims.worker import load_settings
-from celery_claims.worker.journal import (
+from celery_claims.worker.publish.journal import (
     PUBLISH_COUNTERS,
     Envelope,
     JournalRecovery,

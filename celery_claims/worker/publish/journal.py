@@ -13,7 +13,7 @@ restart) takes the only copy with it: visibility-timeout restore cannot bring ba
   (``claims_journal_recover_after_ms`` after the publish, or after the ETA). Where the claim
   store is the Redis broker's server, the publish itself carries it: kombu's push of the
   message to the queue's list and the journal entry are one script, the push first
-  (:class:`~celery_claims.worker.compat.PublishRide`). Elsewhere it is written once the
+  (:class:`~celery_claims.worker.transport.publish.PublishRide`). Elsewhere it is written once the
   broker has taken the message, without waiting for the reply: after the publish, not
   before, since a publish that raised must not be re-published behind the caller's back. A
   failed write never fails the publish: it is logged and counted (``journal_write_failed``),
@@ -55,13 +55,14 @@ from celery_claims.claims.journal import JournalEntry, RedisJournal
 from celery_claims.claims.redis import RedisClaimManager, ScriptCall, translate_errors
 from celery_claims.connection import close as close_client
 from celery_claims.errors import ClaimError, InvalidArgument
-from celery_claims.worker.compat import PublishRide, close_with, wrap_send_task, wrap_task_sender
+from celery_claims.worker.compat import close_with, wrap_send_task, wrap_task_sender
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id
 from celery_claims.worker.policy import is_exempt
-from celery_claims.worker.sender import ScriptSender
 from celery_claims.worker.settings import ClaimsSettings, load_settings
 from celery_claims.worker.signals import Counters
-from celery_claims.worker.store import new_client
+from celery_claims.worker.transport.publish import PublishRide
+from celery_claims.worker.transport.sender import ScriptSender
+from celery_claims.worker.transport.store import new_client
 
 __all__ = [
     "PUBLISH_COUNTERS",

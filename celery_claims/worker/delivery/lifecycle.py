@@ -1,7 +1,7 @@
 """The lifecycle of a delivered copy: one state machine, the only code that changes it.
 
 Every message the claim gate sees becomes a :class:`Copy` with a :class:`State`. The legal
-moves are :data:`TRANSITIONS` (and docs/semantics.md, "The lifecycle of a delivered copy");
+moves are :data:`.state.TRANSITIONS` (and docs/semantics.md, "The lifecycle of a delivered copy");
 :class:`Lifecycle` makes them, each under one lock, and is the only place that acks, rejects,
 forgets a delivery or releases a claim. Every rule that keeps a task from being lost or run
 twice is a transition here:
@@ -27,20 +27,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import functools
-import math
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_logger
-from celery.worker.state import task_ready
 
 from celery_claims.claims.keys import owner_task_key
 from celery_claims.claims.redis import RedisClaimManager, ScriptCall
@@ -48,246 +44,55 @@ from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
 from celery_claims.model import AlreadyClaimed, AlreadyDone, ClaimToken, Success, TookOver
 from celery_claims.worker import signals
 from celery_claims.worker.compat import (
-    BrokerRide,
-    Delivery,
-    LoopWaker,
     before_gone,
     fail_unrun,
-    forget_delivery,
     message_state,
+    prefetch_qos,
     republish,
     requeued,
     result_ready,
     revoke_unrun,
+    set_request_field,
+    task_ready,
 )
-from celery_claims.worker.failover import RecentCompletions
-from celery_claims.worker.guard import (
+from celery_claims.worker.delivery.copy import Copy
+from celery_claims.worker.delivery.guard import (
     REQUEST_KEY,
     ClaimUnverified,
     StaleCopy,
     records_left_to_worker,
 )
+from celery_claims.worker.delivery.keyed import RESCHEDULES_HEADER, KeyedClaim
+from celery_claims.worker.delivery.lanes import Lane, LaneSlot, WorkerLanes
+from celery_claims.worker.delivery.slots import SlotLedger
+from celery_claims.worker.delivery.state import IN_POOL, RENEWED, TRANSITIONS, State, move
+from celery_claims.worker.delivery.verdict import Recovery, Verdict, record_done, recover
 from celery_claims.worker.identity import new_owner
-from celery_claims.worker.keyed import RESCHEDULES_HEADER, KeyedClaim
-from celery_claims.worker.lanes import Lane, LaneSlot, WorkerLanes
-from celery_claims.worker.recovery import Recovery, Verdict, record_done, recover
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.signals import Counters
+from celery_claims.worker.transport.broker import BrokerRide, Delivery, forget_delivery
+from celery_claims.worker.transport.failover import RecentCompletions
+from celery_claims.worker.transport.loop import LoopWaker
 
-__all__ = ["TRANSITIONS", "Copy", "Lifecycle", "SlotLedger", "State"]
+__all__ = ["Lifecycle"]
 
 logger = get_logger("celery_claims.worker")
 
 
-class State(enum.Enum):
-    """Where a delivered copy is in its lifecycle."""
-
-    #: in the gate, its claim asked for
-    RECEIVED = "received"
-    #: kept unacked and re-checked on a timer (another copy's live lease, or the store is down)
-    HELD = "held"
-    #: claimed, waiting for a slot of its lane
-    WAITING = "waiting"
-    #: claimed and handed to the pool, not started yet
-    QUEUED = "queued"
-    #: the pool started it
-    RUNNING = "running"
-    #: its body returned; the completion record is not written yet (the store is unreachable)
-    COMPLETING = "completing"
-    #: another copy owns the task, or this copy was given up: it must never start, its
-    #: outcome is discarded, and its message is let go when the pool is done with it
-    STALE = "stale"
-    #: completion recorded; Celery's handler acked the message (terminal)
-    DONE = "done"
-    #: the attempt ended without success, its claim released; Celery's handler ran (terminal)
-    RELEASED = "released"
-    #: acked without running: the task is recorded done, or given up as poison (terminal)
-    SKIPPED = "skipped"
-    #: let go without acking: forgotten, handed back, or its connection closed (terminal)
-    GONE = "gone"
-
-
-#: A copy in the pool: taken-over copies take turns there (Lifecycle._in_turn).
-_IN_POOL = frozenset({State.QUEUED, State.RUNNING})
-
 #: Reasons of a skip whose task id never ran (a keyed task meeting another's key): its own
 #: result is stored as REVOKED.
 _NOT_RUN = frozenset({"key_held", "key_done"})
-
-#: The legal moves. Anything else is a bug, and raises.
-TRANSITIONS: dict[State, frozenset[State]] = {
-    State.RECEIVED: frozenset({State.HELD, State.WAITING, State.QUEUED, State.SKIPPED, State.GONE}),
-    State.HELD: frozenset({State.HELD, State.WAITING, State.QUEUED, State.SKIPPED, State.GONE}),
-    State.WAITING: frozenset({State.QUEUED, State.RECEIVED, State.RELEASED}),
-    State.QUEUED: frozenset(
-        {State.RUNNING, State.COMPLETING, State.DONE, State.RELEASED, State.STALE, State.GONE}
-    ),
-    State.RUNNING: frozenset(
-        {State.COMPLETING, State.DONE, State.RELEASED, State.STALE, State.GONE}
-    ),
-    State.COMPLETING: frozenset({State.DONE, State.STALE}),
-    State.STALE: frozenset({State.GONE}),
-    State.DONE: frozenset(),
-    State.RELEASED: frozenset(),
-    State.SKIPPED: frozenset(),
-    State.GONE: frozenset(),
-}
 
 #: Event loop ticks an ended copy's settlement waits for Celery's scheduled ack or reject.
 #: kombu's hub runs one tick's callbacks in no set order (``Hub._ready`` is a set, kombu 5.3
 #: to 5.7), so the ack may come one tick after a callback scheduled behind it.
 _SETTLE_TICKS = 2
 
-#: States whose claim the keeper renews.
-RENEWED = frozenset({State.WAITING, State.QUEUED, State.RUNNING, State.COMPLETING})
 
 #: Exceptions that end an attempt with a successor message (or none needed): record done.
 #: ``Retry`` has published the next attempt; ``Ignore`` is what ``Task.replace`` raises after
 #: publishing the replacement (and a task raising it asks for no re-run).
 _DONE_EXCEPTIONS = (Retry, Ignore)
-
-
-@dataclass(eq=False)
-class Copy:
-    """One delivered copy of a task message, from the gate until it ends.
-
-    Attributes:
-        request: the worker's ``Request``.
-        owner: the owner string of this copy's claims (one execution attempt).
-        queue_id: the queue the claim is taken in.
-        task_key: the claim's task id, ``<task id>:<retries>:<nesting>`` (the attempt).
-        lease_ms: the lease of its claim.
-        guarded: its pool process records the completion itself (see ``guard.py``).
-        delivery: its Redis delivery, whose ``unacked_index`` score the keeper refreshes.
-        state: where it is.
-        token: its claim, once acquired (renewals update ``expires_at``).
-        hold_reason: ``"held"`` or ``"unavailable"`` while held.
-        delay_ms: the current re-check delay while held.
-        timer_entry: the pending re-check.
-        start_by: when it must have started (``time.monotonic()``), or it is given up.
-        lane_slot: the lane slot it holds, if its message is in a lane.
-        stale_why: why it is stale (empty unless it went stale).
-        other_owner: another copy owns a live lease on the task (a stale copy may then be
-            acked where it has a delivery of its own).
-        handed_back: its message was handed back to the broker already.
-        recorded: its completion is recorded (by its pool process): stop renewing.
-        renew_sent_at: when its claim was granted or its last renewal sent
-            (``time.monotonic()``); the keeper renews it one period of its own lease later.
-        deferred_ack: the ack that waits for the completion record (made once it is written).
-        ride_tag: its delivery tag while Celery's coming ack is to write its completion.
-        time_limit_s: its time limit (hard, else soft; the message's, the task's or the
-            worker's), or None.
-        renew_until: when its claim stops being renewed (``time.monotonic()``): its start
-            plus its time limit, which some pools do not enforce (:meth:`Lifecycle.overran`).
-        overran: it ran past its time limit (reported once).
-        key: its keyed claim (``claims_key``): ``queue_id`` and ``task_key`` are then the
-            key's claim queue and field, and ``owner`` names the attempt (``keyed.py``).
-        lane_key: its key in a keyed lane (``""`` when it is in none).
-        mark_start: its claim was granted by a takeover under ``claims_max_takeovers``: its
-            start is marked in the store (by its pool process, ``guard.py``; by this process
-            for an unguarded task), so that it counts toward the limit only once started.
-        pool_settles: the process that runs its body records the completion and removes
-            the delivery from kombu's unacked set in one script, before it reports success
-            (:meth:`Lifecycle.pool_settle`): Celery's ack then costs no round trip.
-    """
-
-    request: Any
-    owner: str
-    queue_id: str
-    task_key: str
-    lease_ms: int
-    guarded: bool
-    delivery: Delivery | None = None
-    state: State = State.RECEIVED
-    token: ClaimToken | None = None
-    hold_reason: str = ""
-    delay_ms: int = 0
-    timer_entry: Any = None
-    start_by: float = 0.0
-    lane_slot: LaneSlot | None = None
-    stale_why: str = ""
-    other_owner: bool = False
-    handed_back: bool = False
-    recorded: bool = False
-    renew_sent_at: float = 0.0
-    deferred_ack: Callable[[], object] | None = None
-    ride_tag: Any = None
-    time_limit_s: float | None = None
-    renew_until: float = math.inf
-    overran: bool = False
-    key: KeyedClaim | None = None
-    lane_key: str = ""
-    mark_start: bool = False
-    pool_settles: bool = False
-
-    @property
-    def claim_id(self) -> str:
-        """``queue/task:retries:nesting``, for logs."""
-        return f"{self.queue_id}/{self.task_key}"
-
-    @property
-    def instance(self) -> int:
-        """The fencing number of its claim (0 before it has one)."""
-        return self.token.instance if self.token is not None else 0
-
-    @property
-    def fenced(self) -> bool:
-        """True once it is known stale: its outcome is never recorded."""
-        return bool(self.stale_why)
-
-
-class SlotLedger:
-    """Prefetch slots given back for held and lane-waiting copies, bounded by the window.
-
-    Celery raises the prefetch count for an ETA request so the rest of the queue keeps
-    flowing; a held copy does the same, but at most ``window`` of them at once (the worker's
-    initial prefetch count), so one worker never pulls the whole queue into its held set.
-    Copies waiting for a lane are not bounded (:meth:`give_back`).
-    """
-
-    def __init__(self) -> None:
-        self.qos: Any = None
-        self.window = 0
-        self._given: set[int] = set()
-        self._bounded: set[int] = set()
-        self._lock = threading.Lock()
-
-    def bind(self, qos: Any, window: int) -> None:
-        """Use the consumer's QoS; ``window`` 0 means unbounded (no prefetch limit)."""
-        with self._lock:
-            self.qos = qos
-            self.window = window
-            self._given.clear()
-            self._bounded.clear()
-
-    def give_back(self, copy: Copy, *, bounded: bool = True) -> bool:
-        """Give ``copy``'s prefetch slot back; True if it was (or already had been).
-
-        ``bounded``: only while fewer than ``window`` bounded copies have theirs back. Copies
-        waiting for a full lane are not bounded: the lane's limit holds fleet-wide whoever
-        holds its messages, and the worker's other queues must keep flowing meanwhile.
-        """
-        with self._lock:
-            if id(copy) in self._given:
-                return True
-            if self.qos is None:
-                return False
-            if bounded:
-                if self.window and len(self._bounded) >= self.window:
-                    return False
-                self._bounded.add(id(copy))
-            self._given.add(id(copy))
-        self.qos.increment_eventually()
-        return True
-
-    def take_back(self, copy: Copy) -> None:
-        """Take the slot given back for ``copy`` (if any) again."""
-        with self._lock:
-            if id(copy) not in self._given:
-                return
-            self._given.discard(id(copy))
-            self._bounded.discard(id(copy))
-        self.qos.decrement_eventually()
 
 
 class Lifecycle:
@@ -383,8 +188,9 @@ class Lifecycle:
         """The caller is the consumer's event loop (the gate calls this for each message)."""
         self._loop_thread = threading.get_ident()
         self.waker.attach(self._consumer)
-        if self.slots.qos is not self._consumer.qos:
-            self.slots.bind(self._consumer.qos, int(self._consumer.initial_prefetch_count or 0))
+        qos, window = prefetch_qos(self._consumer)
+        if self.slots.qos is not qos:
+            self.slots.bind(qos, window)
 
     # --- the registry -----------------------------------------------------------------------
 
@@ -449,19 +255,17 @@ class Lifecycle:
         """Move ``copy`` to ``to``; False (nothing changed) if it is not in ``only_from``.
 
         Raises:
-            AssertionError: the move is not in :data:`TRANSITIONS` (a bug).
+            IllegalMove: the move is not in :data:`~.state.TRANSITIONS` (a bug).
         """
         with self._lock:
             if only_from is not None and copy.state not in only_from:
                 return False
-            if to not in TRANSITIONS[copy.state]:
-                raise AssertionError(f"claim {copy.claim_id}: illegal move {copy.state} -> {to}")
-            was, copy.state = copy.state, to
+            was, copy.state = copy.state, move(copy.state, to, claim_id=copy.claim_id)
             if TRANSITIONS[to]:
                 self._copies[id(copy)] = copy
             else:
                 self._copies.pop(id(copy), None)
-        if copy.mark_start and was in _IN_POOL and to not in _IN_POOL:
+        if copy.mark_start and was in IN_POOL and to not in IN_POOL:
             self._turn_over()
         return True
 
@@ -556,18 +360,14 @@ class Lifecycle:
         if copy.mark_start:
             with self._lock:
                 busy = any(
-                    c is not copy and c.mark_start and c.state in _IN_POOL
+                    c is not copy and c.mark_start and c.state in IN_POOL
                     for c in self._copies.values()
                 )
                 if busy:
                     # WAITING and in the queue of turns at once: _next_turn never sees one
                     # without the other
                     if copy.state is not State.WAITING:
-                        if State.WAITING not in TRANSITIONS[copy.state]:
-                            raise AssertionError(
-                                f"claim {copy.claim_id}: illegal move {copy.state} -> waiting"
-                            )
-                        copy.state = State.WAITING
+                        copy.state = move(copy.state, State.WAITING, claim_id=copy.claim_id)
                     self._suspects.append(copy)
             if busy:
                 logger.info(
@@ -585,7 +385,7 @@ class Lifecycle:
 
     def _next_turn(self) -> None:
         with self._lock:
-            if any(c.mark_start and c.state in _IN_POOL for c in self._copies.values()):
+            if any(c.mark_start and c.state in IN_POOL for c in self._copies.values()):
                 return
             turn = None
             while self._suspects and turn is None:
@@ -621,17 +421,12 @@ class Lifecycle:
             _skip_detail(record),
         )
         # only the message goes: the result the first run stored stays as it is
-        # the journal entry first (see _settle_before_gone), then the ack
-        self.on_settled(copy.queue_id, copy.task_key, reason in ("done", "given_up"))
-        request.acknowledge()
-        task_ready(request)
-        signals.task_skipped.send(
-            sender=request.task,
-            request=request,
-            reason=reason,
+        self._ack_unrun(
+            request,
+            reason,
             claim_id=copy.claim_id,
             record=record,
-            holder_task_id=_holder_task_id(record),
+            settled=(copy.queue_id, copy.task_key, reason in ("done", "given_up")),
         )
         if reason in _NOT_RUN:
             # another task id held or finished the key: this one's own result says so (for a
@@ -681,15 +476,9 @@ class Lifecycle:
             copy.claim_id,
             _skip_detail(holder),
         )
-        request.acknowledge()
-        task_ready(request)
-        signals.task_skipped.send(
-            sender=request.task,
-            request=request,
-            reason="key_rescheduled",
-            claim_id=copy.claim_id,
-            record=holder,
-            holder_task_id=_holder_task_id(holder),
+        # the new message journals itself as it is published: the entry stays
+        self._ack_unrun(
+            request, "key_rescheduled", claim_id=copy.claim_id, record=holder, settled=None
         )
 
     def refuse(self, request: Any, error: KeyRefused, queue_id: str, task_key: str) -> None:
@@ -715,19 +504,41 @@ class Lifecycle:
             )
             return
         # no record says it is over: without its entry cleared, journal recovery would
-        # publish it again (to be refused again), up to claims_journal_max_republish times;
-        # cleared before the ack (see _settle_before_gone)
-        self.on_settled(queue_id, task_key, False)
+        # publish it again (to be refused again), up to claims_journal_max_republish times
+        self._ack_unrun(
+            request, "key_refused", claim_id="", settled=(queue_id, task_key, False), error=error
+        )
+
+    def _ack_unrun(
+        self,
+        request: Any,
+        reason: str,
+        *,
+        claim_id: str,
+        record: Any = None,
+        settled: tuple[str, str, bool] | None,
+        error: BaseException | None = None,
+    ) -> None:
+        """Ack a copy that does not run: the endings ``ACK_UNRUN``, ``RESCHEDULE`` and
+        ``REFUSE`` of :data:`~.state.ENDINGS`, written once.
+
+        ``settled``: the publish journal entry to clear (queue, task key, done), or None to
+        keep it. It is cleared before the ack (see :meth:`_settle_before_gone`); Celery's
+        ``task_ready`` always runs; ``task_skipped`` says why.
+        """
+        if settled is not None:
+            self.on_settled(*settled)
         request.acknowledge()
         task_ready(request)
+        extra = {} if error is None else {"error": error}
         signals.task_skipped.send(
             sender=request.task,
             request=request,
-            reason="key_refused",
-            claim_id="",
-            record=None,
-            holder_task_id=None,
-            error=error,
+            reason=reason,
+            claim_id=claim_id,
+            record=record,
+            holder_task_id=None if record is None else _holder_task_id(record),
+            **extra,
         )
 
     def hold(
@@ -1351,10 +1162,10 @@ class Lifecycle:
         with self._lock:
             if copy.state not in (State.QUEUED, State.RUNNING, State.COMPLETING):
                 return False
-            was, copy.state = copy.state, State.STALE
+            was, copy.state = copy.state, move(copy.state, State.STALE, claim_id=copy.claim_id)
             copy.stale_why = why
             copy.other_owner = other_owner
-        if copy.mark_start and was in _IN_POOL:
+        if copy.mark_start and was in IN_POOL:
             self._turn_over()
         slot, copy.lane_slot = copy.lane_slot, None
         if slot is not None and self.lanes is not None:
@@ -1426,7 +1237,7 @@ class Lifecycle:
         owner = new_owner(self.hostname)
         copy.owner = owner if copy.key is None else copy.key.owner(owner)
         copy.token = None
-        copy.request.request_dict.pop(REQUEST_KEY, None)
+        set_request_field(copy.request, REQUEST_KEY, None)
         if self._recheck is not None:
             self._recheck(copy)
 
