@@ -7,13 +7,13 @@ at all). So, when a worker starts and in ``celery claims check``:
 - :func:`check_names` refuses every unknown ``claims_*`` setting (``app.conf``, Django-style
   ``CELERY_CLAIMS_*``, any source Celery reads) and task attribute (decorator options, Task
   subclass attributes, ``task_annotations``), naming it, where it was found and the known
-  name it resembles; a lane's unknown keys are refused by :func:`~celery_claims.config.
-  parse_lanes` the same way;
+  name it resembles (a lane's unknown keys are refused so by
+  :func:`~celery_claims.config.parse_lanes`);
 - :func:`lane_findings` reports a lane whose queues or kinds name nothing the app declares.
 
 Names outside the namespace are never looked at. This module imports neither Celery nor
 kombu: it reads a configuration through its keys, ``get`` and the ``prefix`` of Celery's
-``Settings`` (``config_from_object(..., namespace=...)``; checked on Celery 5.3 to 5.7).
+``Settings`` (``config_from_object(..., namespace=...)``; checked on Celery 5.7).
 """
 
 from __future__ import annotations
