@@ -10,7 +10,8 @@ from celery_claims.connection import close as close_client
 from celery_claims.worker.delivery.copy import Copy
 from celery_claims.worker.delivery.lanes import WorkerLanes
 from celery_claims.worker.delivery.lifecycle import Lifecycle
-from celery_claims.worker.publish.journal import PUBLISH_COUNTERS, WorkerJournal
+from celery_claims.worker.publish.clearing import WorkerJournal
+from celery_claims.worker.publish.producer import PUBLISH_COUNTERS
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.signals import Counters
 from celery_claims.worker.transport.sender import ScriptCaller, keep_calls

@@ -29,7 +29,7 @@ from celery_claims.worker.delivery.guard import guard_tasks
 from celery_claims.worker.delivery.keeper import Keeper
 from celery_claims.worker.event_journal import stop_journal
 from celery_claims.worker.policy import check_task_policies
-from celery_claims.worker.publish.journal import connect_producer
+from celery_claims.worker.publish.producer import connect_producer
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.settings import (
     WORKER_OPTION_NAMES,

@@ -240,6 +240,8 @@ class Completion:
         )
 
     def completed(self, copy: Copy, why: str) -> None:
+        """The record is written (``COMPLETING`` -> ``DONE``): its journal entry goes, then the
+        ack that waited for it, on the consumer's thread."""
         if not self.reg.move(copy, State.DONE, only_from=frozenset({State.COMPLETING})):
             return
         if copy.ride_tag is not None:

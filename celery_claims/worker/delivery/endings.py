@@ -51,6 +51,8 @@ class Endings:
         return True
 
     def release(self, copy: Copy, why: str) -> None:
+        """The attempt ended without success (``RELEASED``): its lane slot and its claim go;
+        what happens to the message is Celery's handler's (:meth:`end_by_celery`)."""
         if copy.state is State.WAITING:
             self.turns.out_of_turn(copy)
             slot, copy.lane_slot = copy.lane_slot, None
@@ -65,6 +67,7 @@ class Endings:
         self.release_claim(copy, why)
 
     def release_claim(self, copy: Copy, why: str) -> None:
+        """Release the copy's claim in the store (best effort: an unreleased lease expires)."""
         if copy.token is None:
             return
         try:
@@ -143,6 +146,7 @@ class Endings:
         self.w.on_loop(self.requeue, copy)
 
     def requeue(self, copy: Copy) -> None:
+        """Hand the message back to the broker (on the consumer's thread)."""
         with contextlib.suppress(Exception):
             copy.request.reject(requeue=True)
 
@@ -187,6 +191,7 @@ class Endings:
 
     @staticmethod
     def report_again(copy: Copy, celery_handler: Callable[[], object]) -> None:
+        """A second report of an ended copy: Celery's handler only where it ran before."""
         # A second report of an ended copy (a hard time limit reports twice). Celery's
         # handler runs again only where it ran the first time: a stale, handed back or
         # completing copy's message must not be acked, nor a FAILURE stored over another

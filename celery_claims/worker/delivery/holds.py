@@ -90,6 +90,7 @@ class Holds:
             self.w.recheck(copy)
 
     def cancel_timer(self, copy: Copy) -> None:
+        """Cancel the pending re-check of a held copy, if any."""
         entry, copy.timer_entry = copy.timer_entry, None
         if entry is not None:
             with contextlib.suppress(Exception):

@@ -19,7 +19,7 @@ exactly while a long task needs its lease renewed. Each beat it:
    ``unacked_index``, so kombu does not restore a message whose holder is alive (a dead
    holder stops refreshing, and its message is restored after ``visibility_timeout``);
 6. calls the publish journal's hook
-   (:meth:`~celery_claims.worker.publish.journal.WorkerJournal.beat`: clears the entries of acked
+   (:meth:`~celery_claims.worker.publish.clearing.WorkerJournal.beat`: clears the entries of acked
    messages, starts a recovery scan when one is due).
 7. once per lane lease, purges the lane tickets of workers that are gone
    (:meth:`~celery_claims.worker.delivery.lanes.WorkerLanes.purge_due`).

@@ -85,6 +85,7 @@ class Turns:
             self.suspects.remove(copy)
 
     def to_pool(self, copy: Copy) -> None:
+        """Hand a claimed copy to the pool (``QUEUED``): it must start by ``start_by``."""
         self.reg.move(copy, State.QUEUED)
         copy.start_by = time.monotonic() + self.w.settings.start_timeout_ms / 1000
         assert self.w.dispatch is not None
