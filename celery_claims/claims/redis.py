@@ -336,12 +336,13 @@ class RedisClaimManager:
             self._queue_keys[queue_id] = keys
         return keys
 
-    # --- the original API -----------------------------------------------------------------
+    # --- the Rust AtomicClaimManager's API ---------------------------------------------------
 
     def claim(self, queue_id: str, task_id: str, owner: str, lease_ms: int) -> ClaimResult:
         """See :meth:`celery_claims.ClaimManager.claim`."""
         result = self.execute(self.claim_call(queue_id, task_id, owner, lease_ms, False))
-        # without records or a takeover limit, claim.lua answers only the original's results
+        # without records or a takeover limit, claim.lua answers only the Rust
+        # ``AtomicClaimManager``'s results
         assert isinstance(result, (Success, AlreadyClaimed, TookOver))
         return self._replicated(result) if result.acquired else result
 
@@ -622,7 +623,8 @@ class RedisClaimManager:
             ClaimToken(queue_id, _text(task), _text(owner), int(instance), int(created), int(ends))
             for task, instance, created, ends, owner in zip(*[iter(reply)] * 5, strict=True)
         ]
-        # soonest expiry first, ties by task id (the order of the original's sorted index)
+        # soonest expiry first, ties by task id (the order of the Rust ``AtomicClaimManager``'s
+        # sorted index)
         return sorted(tokens, key=lambda t: (t.expires_at, t.task_id))
 
     # --- additions for the Celery integration ---------------------------------------------

@@ -88,7 +88,7 @@ class ClaimGate:
     Args:
         consumer: the worker's ``Consumer``.
         runtime: the worker's claim state (``worker.claims``).
-        inner: the original ``on_task_request``.
+        inner: Celery's own ``on_task_request`` (the consumer's, before the gate).
     """
 
     def __init__(self, consumer: Any, runtime: ClaimsRuntime, inner: Callable[[Any], Any]):
