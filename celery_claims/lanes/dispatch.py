@@ -140,8 +140,8 @@ def claim_due_for_lane(
 ) -> list[tuple[TaskT, TaskLease]]:
     """Claim the due tasks of one lane, up to the lane's free capacity.
 
-    The original's algorithm: a lane with limit 0 claims nothing without calling the store;
-    otherwise list claimable tasks (at most ``limit``), count the active ones, and hand every
+    The Rust ``TaskClaimStore``'s algorithm: a lane with limit 0 claims nothing without calling the
+    store; otherwise list claimable tasks (at most ``limit``), count the active ones, and hand every
     listed task of this lane to the store as a candidate; the store claims as many as the lane
     still has room for when it claims. When no listed task is this lane's, it returns before
     the second clock read and never asks the store to claim.

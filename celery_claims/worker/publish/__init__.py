@@ -33,6 +33,6 @@ restart) takes the only copy with it: visibility-timeout restore cannot bring ba
   re-published, at most ``claims_journal_max_republish`` times.
 
 Correctness rests on recovery's check, not on the clearing: a stale entry (its clear was lost
-with a worker) is found done and dropped. A re-published copy whose original was only slow
+with a worker) is found done and dropped. A re-published copy whose first publish was only slow
 is a duplicate the claim gate skips (done) or holds (claimed).
 """
