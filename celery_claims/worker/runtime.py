@@ -73,11 +73,11 @@ class ClaimsRuntime:
 
     def live_claims(self) -> list[Copy]:
         """The copies whose claims are renewed right now."""
-        return self.life.renewed()
+        return self.life.reg.renewed()
 
     def held_copies(self) -> list[Copy]:
         """The copies held unacked right now."""
-        return self.life.held()
+        return self.life.reg.held()
 
     def close(self) -> None:
         """Close the claim store connections (a later call would simply reconnect); the

@@ -147,7 +147,7 @@ class ClaimGate:
             # (recorded as failed), never claimed and left waiting
             lane_key = lanes.key_of(queue_id, request) if lanes is not None else ""
         except KeyRefused as exc:
-            self.life.refuse(request, exc, queue_id, task_key)
+            self.life.unrun.refuse(request, exc, queue_id, task_key)
             return None
         copy = self.life.receive(
             request,
@@ -352,7 +352,7 @@ class ClaimGate:
             # a bug must neither run the task unclaimed nor drop it: hold it and try again;
             # if even that fails the message stays unacked and the broker redelivers it
             logger.exception("Claim gate failed on %s[%s]", copy.request.name, copy.request.id)
-            self.life.hold(copy, "unavailable", holder=None, error=exc)
+            self.life.holds.hold(copy, "unavailable", holder=None, error=exc)
 
     def _decide(self, copy: Copy, outcome: Any) -> None:
         key = copy.key
@@ -364,24 +364,24 @@ class ClaimGate:
         elif isinstance(outcome, AlreadyDone):
             # a keyed copy finds its own attempt's record, or the key's (claims_key_done_ttl)
             own = key is None or key.is_own(outcome.owner)
-            self.life.skip(copy, outcome, "done" if own else "key_done")
+            self.life.unrun.skip(copy, outcome, "done" if own else "key_done")
         elif isinstance(outcome, GivenUp):
             # a poison task: its copies kept crashing their workers (claims_max_takeovers)
-            self.life.skip(copy, outcome, "given_up")
+            self.life.unrun.skip(copy, outcome, "given_up")
         elif isinstance(outcome, AlreadyClaimed):
             policy = "wait" if key is None else key.policy(outcome.owner)
             if policy == "skip":
-                self.life.skip(copy, outcome, "key_held")
+                self.life.unrun.skip(copy, outcome, "key_held")
             elif policy == "reschedule":
-                self.life.reschedule(copy, outcome)
+                self.life.unrun.reschedule(copy, outcome)
             else:
-                self.life.hold(copy, "held", holder=outcome.owner, error=None)
+                self.life.holds.hold(copy, "held", holder=outcome.owner, error=None)
         elif isinstance(outcome, BackendUnavailable):
-            self.life.hold(copy, "unavailable", holder=None, error=outcome)
+            self.life.holds.hold(copy, "unavailable", holder=None, error=outcome)
         else:
             # an unexpected store reply or a bug: never run unclaimed, never drop; retry later
             logger.error("Claim %s: claim store error: %r", copy.claim_id, outcome)
-            self.life.hold(copy, "unavailable", holder=None, error=outcome)
+            self.life.holds.hold(copy, "unavailable", holder=None, error=outcome)
 
     # --- to the pool ------------------------------------------------------------------------
 
@@ -395,7 +395,7 @@ class ClaimGate:
             REQUEST_KEY,
             TaskClaim.of(copy.token, copy.lease_ms, mark_start=copy.mark_start),
         )
-        settle = self.life.pool_settle(copy)
+        settle = self.life.done.pool_settle(copy)
         copy.pool_settles = settle is not None
         set_request_field(request, SETTLE_KEY, settle)
         # read now: `celery control time_limit` may have changed the task's since it arrived
@@ -409,7 +409,7 @@ class ClaimGate:
             copy.request,
             RequestHooks(
                 accepted=lambda: life.started(copy),
-                succeeded=lambda handler: _report(copy, life.succeeded, handler),
+                succeeded=lambda handler: _report(copy, life.done.succeeded, handler),
                 failed=lambda exc, handler: _report(
                     copy, lambda c, h: life.failed(c, exc, h), handler
                 ),
@@ -433,7 +433,7 @@ class ClaimGate:
         ride = BrokerRide.of_consumer(self.consumer, self.runtime.manager.client)
         if ride is not None:
             ride.hook_append(self.claim_for, self.claimed)
-            ride.hook_ack(self.life.take_ack)
+            ride.hook_ack(self.life.done.take_ack)
 
     def drop_connection_state(self) -> None:
         """Forget what belongs to the closing connection (reentrant, no logging)."""

@@ -105,7 +105,7 @@ class Keeper:
         next_beat = 0.0
         while True:
             stop_at = self._stop_at
-            if stop_at is not None and (not self.life.renewed() or time.monotonic() > stop_at):
+            if stop_at is not None and (not self.life.reg.renewed() or time.monotonic() > stop_at):
                 self.runtime.close()
                 return
             now = time.monotonic()
@@ -126,7 +126,9 @@ class Keeper:
 
     def _due(self, now: float) -> list[Copy]:
         """The claims past half of their own renew period (a wake between beats)."""
-        return [c for c in self.life.renewed() if now >= c.renew_sent_at + self._period_s(c) / 2]
+        return [
+            c for c in self.life.reg.renewed() if now >= c.renew_sent_at + self._period_s(c) / 2
+        ]
 
     def _next_due(self) -> float:
         """When the next claim with a period shorter than the keeper's must be renewed."""
@@ -134,7 +136,7 @@ class Keeper:
         return min(
             (
                 c.renew_sent_at + self._period_s(c)
-                for c in self.life.renewed()
+                for c in self.life.reg.renewed()
                 if c.token is not None and self._period_s(c) < period_s
             ),
             default=math.inf,
@@ -143,18 +145,18 @@ class Keeper:
     def beat(self) -> None:
         """One keeper beat (see the module docstring)."""
         self.watch.check()
-        copies = self.life.renewed()
+        copies = self.life.reg.renewed()
         self._renew(copies)
         self.watch.restore()
         if self.runtime.lanes is not None:
             slots = [c.lane_slot for c in copies if c.lane_slot is not None]
             self.runtime.lanes.heartbeat(slots)
-        for copy in self.life.copies(State.COMPLETING):
-            self.life.complete_deferred(copy)
+        for copy in self.life.reg.copies(State.COMPLETING):
+            self.life.done.complete_deferred(copy)
         now = time.monotonic()
-        for copy in self.life.started_late(now):
-            self.life.start_overdue(copy)
-        for copy in self.life.overran(now):
+        for copy in self.life.reg.started_late(now):
+            self.life.losses.start_overdue(copy)
+        for copy in self.life.reg.overran(now):
             self.life.time_limit_passed(copy)
         if self.settings.refresh_unacked:
             self.refresh_deliveries()
@@ -194,7 +196,7 @@ class Keeper:
 
     def refresh_deliveries(self) -> None:
         """Set the ``unacked_index`` score of claimed and held Redis deliveries to now."""
-        deliveries = [c.delivery for c in self.life.refreshed() if c.delivery is not None]
+        deliveries = [c.delivery for c in self.life.reg.refreshed() if c.delivery is not None]
         if not deliveries:
             return
         try:

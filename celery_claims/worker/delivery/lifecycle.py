@@ -134,31 +134,17 @@ class Lifecycle:
         hostname: str,
     ) -> None:
         self.w = w = Wiring(settings, manager, counters, lanes, hostname)
+        #: the copies and their states (the keeper's and the operator's reads)
         self.reg = reg = Registry()
         self.turns = Turns(w, reg)
+        #: the gate's outcomes that keep a copy, or end it, outside the pool
         self.holds = Holds(w, reg)
         self.unrun = Unrun(w, reg, self.holds)
         self.ends = Endings(w, reg, self.turns)
+        #: the keeper's give-ups, and the copies whose lease another copy took
         self.losses = Losses(w, reg, self.turns, self.ends)
+        #: the pool's successes, Celery's ack, and the keeper's retried records
         self.done = Completion(w, reg, self.ends, self.losses)
-        # the registry's reads (the keeper's and the operator's)
-        self.copies = reg.copies
-        self.renewed = reg.renewed
-        self.refreshed = reg.refreshed
-        self.overran = reg.overran
-        self.held = reg.held
-        self.started_late = reg.started_late
-        # the gate's outcomes that end or keep a copy outside the pool
-        self.skip = self.unrun.skip
-        self.reschedule = self.unrun.reschedule
-        self.refuse = self.unrun.refuse
-        self.hold = self.holds.hold
-        # the pool's success and Celery's ack; the keeper's retries and give-ups
-        self.pool_settle = self.done.pool_settle
-        self.succeeded = self.done.succeeded
-        self.take_ack = self.done.take_ack
-        self.complete_deferred = self.done.complete_deferred
-        self.start_overdue = self.losses.start_overdue
         if lanes is not None:
             lanes.slots = w.slots
             lanes.waker = w.waker
