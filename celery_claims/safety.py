@@ -108,19 +108,38 @@ def check_settings(conf: Mapping[str, Any] | Any, *, pool: str | None = None) ->
     """
     if not callable(getattr(conf, "get", None)):
         raise InvalidArgument("conf", f"must be a mapping or app.conf, got {type(conf).__name__}")
-    findings: list[Finding] = []
     acks_late = bool(conf.get("task_acks_late", False))
-    if not acks_late:
-        findings.append(
-            Finding(
-                "task_acks_late",
-                Severity.ERROR,
-                "task_acks_late is off: a message is acknowledged before its task runs, so a "
-                "worker that dies mid-task loses it and no other worker can take it over. "
-                "Set task_acks_late = True.",
-            )
-        )
+    hard = _number(conf, "task_time_limit", None)
+    soft = _number(conf, "task_soft_time_limit", None)
+    findings = [
+        *_acks_late_findings(acks_late),
+        *_lease_findings(conf),
+        *_time_limit_findings(hard, soft),
+        *_prefetch_findings(conf, acks_late),
+        *_result_backend_findings(conf),
+        *_pool_findings(pool or conf.get("worker_pool", None) or "prefork", hard, soft),
+    ]
+    order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.NOTICE: 2}
+    findings.sort(key=lambda f: order[f.severity])
+    return findings
 
+
+def _acks_late_findings(acks_late: bool) -> list[Finding]:
+    if acks_late:
+        return []
+    return [
+        Finding(
+            "task_acks_late",
+            Severity.ERROR,
+            "task_acks_late is off: a message is acknowledged before its task runs, so a "
+            "worker that dies mid-task loses it and no other worker can take it over. "
+            "Set task_acks_late = True.",
+        )
+    ]
+
+
+def _lease_findings(conf: Any) -> list[Finding]:
+    """The lease against journal recovery and, on the Redis broker, the visibility timeout."""
     # read as the worker reads them: a renew interval not given follows the lease
     claims = resolve(
         conf,
@@ -133,87 +152,101 @@ def check_settings(conf: Mapping[str, Any] | Any, *, pool: str | None = None) ->
         ),
     )
     lease_ms = claims["claims_lease_ms"]
-    renew_ms = claims["claims_renew_interval_ms"]
-    refresh = claims["claims_refresh_unacked"]
     recover_ms = claims["claims_journal_recover_after_ms"] if claims["claims_journal"] else None
+    findings: list[Finding] = []
     if recover_ms is not None and recover_ms <= lease_ms:
         findings.append(_early_recovery(recover_ms, "claims_lease_ms", lease_ms))
-
     if _broker_url(conf).startswith(_REDIS_BROKERS):
-        options = conf.get("broker_transport_options", None) or {}
-        if not isinstance(options, Mapping):
-            raise InvalidArgument("broker_transport_options", "must be a dict")
-        raw = options.get("visibility_timeout", KOMBU_DEFAULT_VISIBILITY_TIMEOUT_S)
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-            raise InvalidArgument(
-                "broker_transport_options", f"visibility_timeout must be seconds, got {raw!r:.80}"
-            )
-        visibility_ms = float(raw) * 1000
-        mutex = options.get("unacked_mutex_expire")
-        if (
-            isinstance(mutex, (int, float))
-            and not isinstance(mutex, bool)
-            and mutex > max(float(raw), 1.0)
-        ):
-            findings.append(
-                Finding(
-                    "broker_transport_options.unacked_mutex_expire",
-                    Severity.WARNING,
-                    f"unacked_mutex_expire ({mutex:g} s) is longer than visibility_timeout "
-                    f"({raw:g} s): a worker killed in mid-sweep holds kombu's restore lock "
-                    f"that long, and meanwhile no crashed worker's task is taken over. Leave "
-                    f"it unset (celery-claims bounds it by the visibility timeout) or set it "
-                    f"to at most {max(float(raw), 1.0):g}.",
-                )
-            )
-        if refresh is False:
-            findings.append(
-                Finding(
-                    "claims_refresh_unacked",
-                    Severity.WARNING,
-                    f"claims_refresh_unacked is off: every task running longer than "
-                    f"visibility_timeout ({raw:g} s) is redelivered while it runs, and each "
-                    f"copy is held unacked until it ends. Leave claims_refresh_unacked = True.",
-                )
-            )
-        elif renew_ms * 2 > visibility_ms:
-            findings.append(
-                Finding(
-                    "claims_renew_interval_ms",
-                    Severity.WARNING,
-                    f"claims_renew_interval_ms ({renew_ms:g} ms) is more than half of "
-                    f"visibility_timeout ({raw:g} s): Redis can restore a running task's "
-                    f"message between two refreshes and deliver a copy. Set "
-                    f"claims_renew_interval_ms below {visibility_ms / 2:g} ms.",
-                )
-            )
-        long_visibility = visibility_ms > TAKEOVER_DELAY_RATIO * lease_ms
-        # a visibility timeout flagged as too long is the one fix: its finding says it
-        if (
-            recover_ms is not None
-            and lease_ms < recover_ms <= visibility_ms
-            and not long_visibility
-        ):
-            findings.append(
-                _early_recovery(recover_ms, "visibility_timeout", visibility_ms, unit="s")
-            )
-        if long_visibility:
-            findings.append(
-                Finding(
-                    "broker_transport_options.visibility_timeout",
-                    Severity.WARNING,
-                    f"visibility_timeout ({raw:g} s) is more than {TAKEOVER_DELAY_RATIO}x "
-                    f"claims_lease_ms ({lease_ms:g} ms): a crashed worker's task waits for "
-                    f"Redis to restore its message, not for its lease, before another worker "
-                    f"takes it over. Set broker_transport_options['visibility_timeout'] to "
-                    f"2-5x the lease (e.g. {max(lease_ms * 3 / 1000, 1):g}).",
-                )
-            )
+        findings += _redis_broker_findings(
+            conf,
+            lease_ms=lease_ms,
+            renew_ms=claims["claims_renew_interval_ms"],
+            refresh=claims["claims_refresh_unacked"],
+            recover_ms=recover_ms,
+        )
+    return findings
 
-    hard = _number(conf, "task_time_limit", None)
-    soft = _number(conf, "task_soft_time_limit", None)
-    if hard is None:
+
+def _visibility_timeout_s(options: Mapping[str, Any]) -> float:
+    raw = options.get("visibility_timeout", KOMBU_DEFAULT_VISIBILITY_TIMEOUT_S)
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise InvalidArgument(
+            "broker_transport_options", f"visibility_timeout must be seconds, got {raw!r:.80}"
+        )
+    return float(raw)
+
+
+def _redis_broker_findings(
+    conf: Any, *, lease_ms: float, renew_ms: float, refresh: bool, recover_ms: float | None
+) -> list[Finding]:
+    """What kombu's Redis transport's restore sweep does to claims with these settings."""
+    options = conf.get("broker_transport_options", None) or {}
+    if not isinstance(options, Mapping):
+        raise InvalidArgument("broker_transport_options", "must be a dict")
+    raw = _visibility_timeout_s(options)
+    visibility_ms = raw * 1000
+    findings = _restore_lock_findings(options, raw)
+    if refresh is False:
         findings.append(
+            Finding(
+                "claims_refresh_unacked",
+                Severity.WARNING,
+                f"claims_refresh_unacked is off: every task running longer than "
+                f"visibility_timeout ({raw:g} s) is redelivered while it runs, and each "
+                f"copy is held unacked until it ends. Leave claims_refresh_unacked = True.",
+            )
+        )
+    elif renew_ms * 2 > visibility_ms:
+        findings.append(
+            Finding(
+                "claims_renew_interval_ms",
+                Severity.WARNING,
+                f"claims_renew_interval_ms ({renew_ms:g} ms) is more than half of "
+                f"visibility_timeout ({raw:g} s): Redis can restore a running task's "
+                f"message between two refreshes and deliver a copy. Set "
+                f"claims_renew_interval_ms below {visibility_ms / 2:g} ms.",
+            )
+        )
+    long_visibility = visibility_ms > TAKEOVER_DELAY_RATIO * lease_ms
+    # a visibility timeout flagged as too long is the one fix: its finding says it
+    if recover_ms is not None and lease_ms < recover_ms <= visibility_ms and not long_visibility:
+        findings.append(_early_recovery(recover_ms, "visibility_timeout", visibility_ms, unit="s"))
+    if long_visibility:
+        findings.append(
+            Finding(
+                "broker_transport_options.visibility_timeout",
+                Severity.WARNING,
+                f"visibility_timeout ({raw:g} s) is more than {TAKEOVER_DELAY_RATIO}x "
+                f"claims_lease_ms ({lease_ms:g} ms): a crashed worker's task waits for "
+                f"Redis to restore its message, not for its lease, before another worker "
+                f"takes it over. Set broker_transport_options['visibility_timeout'] to "
+                f"2-5x the lease (e.g. {max(lease_ms * 3 / 1000, 1):g}).",
+            )
+        )
+    return findings
+
+
+def _restore_lock_findings(options: Mapping[str, Any], visibility_s: float) -> list[Finding]:
+    mutex = options.get("unacked_mutex_expire")
+    bound = max(visibility_s, 1.0)
+    if isinstance(mutex, bool) or not isinstance(mutex, (int, float)) or mutex <= bound:
+        return []
+    return [
+        Finding(
+            "broker_transport_options.unacked_mutex_expire",
+            Severity.WARNING,
+            f"unacked_mutex_expire ({mutex:g} s) is longer than visibility_timeout "
+            f"({visibility_s:g} s): a worker killed in mid-sweep holds kombu's restore lock "
+            f"that long, and meanwhile no crashed worker's task is taken over. Leave "
+            f"it unset (celery-claims bounds it by the visibility timeout) or set it "
+            f"to at most {bound:g}.",
+        )
+    ]
+
+
+def _time_limit_findings(hard: float | None, soft: float | None) -> list[Finding]:
+    if hard is None:
+        return [
             Finding(
                 "task_time_limit",
                 Severity.WARNING,
@@ -221,9 +254,9 @@ def check_settings(conf: Mapping[str, Any] | Any, *, pool: str | None = None) ->
                 "its claim is never released and no copy of it can run. Set task_time_limit "
                 "(seconds) to the longest a task may run.",
             )
-        )
-    elif soft is not None and soft >= hard:
-        findings.append(
+        ]
+    if soft is not None and soft >= hard:
+        return [
             Finding(
                 "task_soft_time_limit",
                 Severity.WARNING,
@@ -231,10 +264,17 @@ def check_settings(conf: Mapping[str, Any] | Any, *, pool: str | None = None) ->
                 f"the task is killed before it can clean up, and its claim is released "
                 f"without a chance to finish. Set the soft limit below the hard one.",
             )
-        )
+        ]
+    return []
 
+
+def _prefetch_findings(conf: Any, acks_late: bool) -> list[Finding]:
+    """What reserving messages and Celery's connection-loss cancel do to late acks."""
+    if not acks_late:
+        return []
+    findings: list[Finding] = []
     prefetch = _number(conf, "worker_prefetch_multiplier", CELERY_DEFAULT_PREFETCH_MULTIPLIER)
-    if acks_late and prefetch is not None and prefetch != 1:
+    if prefetch is not None and prefetch != 1:
         what = "unlimited (0)" if prefetch == 0 else f"{prefetch:g}"
         findings.append(
             Finding(
@@ -246,8 +286,7 @@ def check_settings(conf: Mapping[str, Any] | Any, *, pool: str | None = None) ->
                 f"Set worker_prefetch_multiplier = 1.",
             )
         )
-
-    if acks_late and conf.get("worker_cancel_long_running_tasks_on_connection_loss", False):
+    if conf.get("worker_cancel_long_running_tasks_on_connection_loss", False):
         findings.append(
             Finding(
                 "worker_cancel_long_running_tasks_on_connection_loss",
@@ -258,28 +297,29 @@ def check_settings(conf: Mapping[str, Any] | Any, *, pool: str | None = None) ->
                 "is held and then acknowledged unrun. Set it to False.",
             )
         )
+    return findings
+
+
+def _result_backend_findings(conf: Any) -> list[Finding]:
     backend = conf.get("result_backend", None)
     if (
-        isinstance(backend, str)
-        and _server(backend) is not None
-        and _server(backend) == _server(_broker_url(conf))
-        and not conf.get("result_backend_always_retry", False)
+        not isinstance(backend, str)
+        or _server(backend) is None
+        or _server(backend) != _server(_broker_url(conf))
+        or conf.get("result_backend_always_retry", False)
     ):
-        findings.append(
-            Finding(
-                "result_backend_always_retry",
-                Severity.WARNING,
-                "result_backend_always_retry is off and the result backend is the broker's "
-                "server: when that server restarts just as a task ends, storing its result "
-                "fails and Celery reports the task as failed although its body ran (the claim "
-                "still records it done, so it does not run again, but its result is lost). "
-                "Set result_backend_always_retry = True.",
-            )
+        return []
+    return [
+        Finding(
+            "result_backend_always_retry",
+            Severity.WARNING,
+            "result_backend_always_retry is off and the result backend is the broker's "
+            "server: when that server restarts just as a task ends, storing its result "
+            "fails and Celery reports the task as failed although its body ran (the claim "
+            "still records it done, so it does not run again, but its result is lost). "
+            "Set result_backend_always_retry = True.",
         )
-    findings.extend(_pool_findings(pool or conf.get("worker_pool", None) or "prefork", hard, soft))
-    order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.NOTICE: 2}
-    findings.sort(key=lambda f: order[f.severity])
-    return findings
+    ]
 
 
 def _pool_findings(pool: object, hard: float | None, soft: float | None) -> list[Finding]:
