@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
+from types import MappingProxyType
 from typing import Any
 
 from celery_claims.model import ClaimStats
-from celery_claims.observe.journal import JournalEvent
+from celery_claims.observe.journal import JournalEvent, SkipReason
 from celery_claims.observe.views import ClaimView, KeyWaiter, LaneOccupancy
 
 __all__ = [
+    "SKIP_WORDING",
     "STAT_FIELDS",
     "claim_line",
     "describe_views",
@@ -28,6 +30,7 @@ __all__ = [
     "list_json",
     "list_text",
     "seconds",
+    "skipped_text",
     "stats_json",
     "stats_text",
     "table",
@@ -68,19 +71,60 @@ def seconds(ms: int) -> str:
 
 # --- journal events -------------------------------------------------------------------------
 
+#: How ``inspect`` tells a copy a worker did not run, one wording per :class:`SkipReason` (a
+#: test fails when a reason has none, or two share one). Fields: ``worker``, ``other`` and
+#: ``instance`` of the journal event (:class:`JournalEvent`), and ``key``, the key's field of
+#: a keyed task's claim.
+SKIP_WORDING: Mapping[SkipReason, str] = MappingProxyType(
+    {
+        SkipReason.DONE: (
+            "copy acked without running on {worker}: already done by {other} (instance {instance})"
+        ),
+        SkipReason.GIVEN_UP: (
+            "copy acked without running on {worker}: the task was given up as poison (taken "
+            "over too often; last holder {other})"
+        ),
+        SkipReason.KEY_HELD: (
+            "copy acked without running on {worker}: task {other} held its key {key} "
+            "(claims_key_conflict skip); its result is stored as REVOKED"
+        ),
+        SkipReason.KEY_RESCHEDULED: (
+            "copy published again for later, then acked on {worker}: task {other} held its "
+            "key {key} (claims_key_conflict reschedule)"
+        ),
+        SkipReason.KEY_DONE: (
+            "copy acked without running on {worker}: its key {key} was done by task {other} "
+            "(instance {instance}) within claims_key_done_ttl; its result is stored as REVOKED"
+        ),
+        SkipReason.KEY_REFUSED: (
+            "message acked on {worker}, never run: no key could be made from its arguments "
+            "({other}); recorded as failed (KeyRefused)"
+        ),
+    }
+)
+
+
+def skipped_text(event: JournalEvent) -> str:
+    """The line of a ``skipped`` journal event: its reason's :data:`SKIP_WORDING`."""
+    try:
+        reason = SkipReason(event.reason)
+    except ValueError:
+        # written by a newer worker than this reader: say what is known
+        return (
+            f"copy acked without running on {event.worker}: {event.reason or 'no reason'} "
+            f"({event.other or '?'})"
+        )
+    # a keyed claim is `<queue>/<key field>`: the key is what follows the queue
+    key = event.claim_id.partition("/")[2] or "?"
+    return SKIP_WORDING[reason].format(
+        worker=event.worker, other=event.other or "?", instance=event.instance, key=key
+    )
+
 
 def event_text(event: JournalEvent) -> str:
     """One line for humans of what a journal event says."""
-    if event.event == "skipped" and event.reason == "given_up":
-        return (
-            f"copy acked without running on {event.worker}: the task was given up as "
-            f"poison (taken over too often; last holder {event.other})"
-        )
     if event.event == "skipped":
-        return (
-            f"copy acked without running on {event.worker}: already done by {event.other} "
-            f"(instance {event.instance})"
-        )
+        return skipped_text(event)
     if event.event == "held" and event.reason == "unavailable":
         return f"copy held unacked on {event.worker}: the claim store was unreachable"
     if event.event == "held":
