@@ -302,23 +302,19 @@ def key_command(ctx: click.Context, key: str, queues: tuple[str, ...], as_json: 
     with _errors(target):
         manager = target.manager()
         now = server_now_ms(manager.client)
-        views = find_key(manager, key, queues=list(queues) or None, now_ms=now)
+        looked_in = list(queues) or manager.known_queues()
+        views = find_key(manager, key, queues=looked_in, now_ms=now)
         lanes = lane_key_running(manager.client, manager.prefix, key, now_ms=now)
-        waiters = find_key_waiters(
-            manager, key, holders=views, queues=list(queues) or None, now_ms=now
-        )
+        waiters = find_key_waiters(manager, key, holders=views, queues=looked_in, now_ms=now)
     found = bool(views or lanes or waiters)
     if as_json:
-        _emit_json(render.key_json(key, now, views, lanes, waiters))
+        _emit_json(render.key_json(key, now, views, lanes, waiters, looked_in))
         if not found:
             sys.exit(EXIT_NOT_FOUND)
         return
     if not found:
-        _fail(
-            f"key {key!r} is free: no claim or lane slot holds it, it is not kept done, and "
-            f"nothing waits on it",
-            EXIT_NOT_FOUND,
-        )
+        # a name without a key's form (a task id, a bare value) is not called free
+        _fail(render.key_not_found(key, looked_in), EXIT_NOT_FOUND)
     click.echo(render.key_text(key, now, views, lanes, waiters))
 
 

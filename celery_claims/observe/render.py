@@ -14,7 +14,7 @@ from typing import Any
 
 from celery_claims.model import ClaimStats
 from celery_claims.observe.journal import JournalEvent, SkipReason
-from celery_claims.observe.views import ClaimView, KeyWaiter, LaneOccupancy
+from celery_claims.observe.views import ClaimView, KeyWaiter, LaneOccupancy, is_key_field
 
 __all__ = [
     "SKIP_WORDING",
@@ -25,6 +25,7 @@ __all__ = [
     "inspect_json",
     "inspect_text",
     "key_json",
+    "key_not_found",
     "key_text",
     "lanes_text",
     "list_json",
@@ -349,16 +350,35 @@ def key_json(
     views: Sequence[ClaimView],
     lanes: Sequence[tuple[str, int]] = (),
     waiters: Sequence[KeyWaiter] = (),
+    queues: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """``claims key --json``: the key's claims, its running count in each keyed lane, and
-    the copies waiting on it."""
+    """``claims key --json``: the key's claims, its running count in each keyed lane, the
+    copies waiting on it, whether the name has a key's form, and the queues looked in."""
     return {
         "key": key,
+        "is_key": is_key_field(key),
+        "queues": list(queues),
         "now_ms": now_ms,
         "claims": [v.as_dict() for v in views],
         "lanes": [{"lane": lane, "running": running} for lane, running in lanes],
         "waiting": [w.as_dict() for w in waiters],
     }
+
+
+def key_not_found(key: str, queues: Sequence[str]) -> str:
+    """What ``claims key`` says when nothing holds or waits on ``key``: free if it has a
+    key's form, else that it is not a key; with the queues it looked in."""
+    where = f"looked in queue(s) {', '.join(queues)}" if queues else "no queue is known yet"
+    if not is_key_field(key):
+        return (
+            f"{key!r} is not a key: a key is `<task or namespace>[<key>]` (a keyed task's, as "
+            f"`claims list` shows it, e.g. \"tasks.sync['acme']\") or `<lane>[<key>]` (a keyed "
+            f"lane's); no claim, lane slot or waiting copy has it ({where})"
+        )
+    return (
+        f"key {key!r} is free: no claim or lane slot holds it, it is not kept done, and "
+        f"nothing waits on it ({where})"
+    )
 
 
 def waiter_line(waiter: KeyWaiter) -> str:

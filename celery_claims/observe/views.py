@@ -35,6 +35,7 @@ __all__ = [
     "find_claims",
     "find_key",
     "find_key_waiters",
+    "is_key_field",
     "lane_key_running",
     "lane_occupancy",
     "list_views",
@@ -273,6 +274,14 @@ def find_claims(
         views += [v for s in stored if (v := _claim_view(queue, s, now)) is not None]
         views += [v for s in stored if (v := _record_view(queue, s, now)) is not None]
     return views
+
+
+def is_key_field(name: str) -> bool:
+    """Whether ``name`` has the form of a key: ``<task or namespace>[<key>]`` (a keyed task's
+    claim, as ``celery claims list`` shows it in its ``KEY`` column) or ``<lane>[<key>]`` (a
+    keyed lane's). A task id or a bare key value has not."""
+    scope, bracket, rest = name.partition("[")
+    return bool(scope) and bool(bracket) and rest.endswith("]")
 
 
 def find_key(
