@@ -40,6 +40,8 @@ from celery_claims.observe.views import (
     list_views,
     mark_waiting,
     server_now_ms,
+    waiting_per_lane,
+    with_celery_lanes,
 )
 
 __all__ = ["EXIT_NOT_FOUND", "EXIT_UNAVAILABLE", "claims", "main"]
@@ -244,14 +246,16 @@ def stats(ctx: click.Context, top_keys: int, as_json: bool) -> None:
         manager = target.manager()
         now = server_now_ms(manager.client)
         per_queue = manager.queue_stats()
-        live = {q: len(list_views(manager, q, now)) for q in per_queue}
+        views = {q: list_views(manager, q, now) for q in per_queue}
+        live = {q: len(found) for q, found in views.items()}
+        limits = target.lane_limits()
         lanes = lane_occupancy(
-            manager.client,
-            manager.prefix,
-            now_ms=now,
-            limits=target.lane_limits(),
-            top_keys=top_keys,
+            manager.client, manager.prefix, now_ms=now, limits=limits, top_keys=top_keys
         )
+        # a Celery lane's waiting messages are claimed already: the journal tells them
+        claimed = [view for found in views.values() for view in found]
+        journals = Journal(manager.client, manager.prefix).read_many(v.task_id for v in claimed)
+        lanes = with_celery_lanes(lanes, limits, waiting_per_lane(claimed, journals))
     if as_json:
         _emit_json(render.stats_json(per_queue, live, lanes))
     else:

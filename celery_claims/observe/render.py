@@ -286,19 +286,18 @@ def stats_json(
 def lanes_text(lanes: Sequence[LaneOccupancy]) -> str:
     """The lane occupancy table of ``claims stats``."""
     if not lanes:
-        return "lanes: none in use"
+        return "lanes: none configured or in use"
     rows = [
         (
             lane.lane,
             lane.kind,
-            lane.active,
-            "-" if lane.limit is None else lane.limit,
+            f"{lane.active}/{'-' if lane.limit is None else lane.limit}",
             lane.waiting,
             ", ".join(f"{key}={count}" for key, count in lane.keys) or "-",
         )
         for lane in lanes
     ]
-    return table(("LANE", "KIND", "ACTIVE", "LIMIT", "WAITING", "TOP KEYS (RUNNING)"), rows)
+    return table(("LANE", "KIND", "ACTIVE/LIMIT", "WAITING", "TOP KEYS (RUNNING)"), rows)
 
 
 def stats_text(
