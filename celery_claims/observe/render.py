@@ -105,6 +105,13 @@ SKIP_WORDING: Mapping[SkipReason, str] = MappingProxyType(
 )
 
 
+#: Skips of a keyed task's copy that met another task's key (or could not make one): its own
+#: task id never had a claim nor a record, only the journal tells of it.
+_NO_CLAIM_OF_ITS_OWN = frozenset(
+    {SkipReason.KEY_HELD, SkipReason.KEY_RESCHEDULED, SkipReason.KEY_DONE, SkipReason.KEY_REFUSED}
+)
+
+
 def skipped_text(event: JournalEvent) -> str:
     """The line of a ``skipped`` journal event: its reason's :data:`SKIP_WORDING`."""
     try:
@@ -227,6 +234,11 @@ def _without_claim(journal: Sequence[JournalEvent]) -> str:
     """What the journal says of a task the store has no claim or record of."""
     ended = [e for e in journal if e.event in ("released", "lease_lost", "skipped")]
     last = ended[-1] if ended else None
+    if last is not None and last.event == "skipped" and last.reason in _NO_CLAIM_OF_ITS_OWN:
+        return (
+            f"  no claim and no completion record of its own: its last copy was not run "
+            f"({last.reason}, on {last.worker} at {utc(last.at_ms)}; below)"
+        )
     if last is not None and last.event == "released":
         return (
             f"  no live claim and no completion record: the last attempt ended without success "

@@ -1,6 +1,7 @@
-"""An app with two lanes for ``celery claims stats``: ``video`` (limit 1) on the worker's
-queue, and ``idle`` (limit 3) on a queue nobody sends to. Configured from the environment of
-``tests.worker.processes.Fleet`` (``CLAIMS_TEST_BROKER``, ``CLAIMS_TEST_QUEUE``)."""
+"""An app with two lanes for ``celery claims stats``: ``video`` (limit 1: the ``lanes.job``
+tasks of the worker's queue), and ``idle`` (limit 3) on a queue nobody sends to. Configured
+from the environment of ``tests.worker.processes.Fleet`` (``CLAIMS_TEST_BROKER``,
+``CLAIMS_TEST_QUEUE``)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     result_expires=None,
     claims_lanes={
-        "video": {"queues": [QUEUE], "limit": 1},
+        "video": {"queues": [QUEUE], "kinds": ["lanes.job"], "limit": 1},
         "idle": {"queues": [f"{QUEUE}-idle"], "limit": 3},
     },
 )
@@ -36,3 +37,9 @@ def job(seconds: float) -> float:
     """Sleep ``seconds``: one lane job."""
     time.sleep(seconds)
     return seconds
+
+
+@app.task(name="lanes.fail")  # type: ignore[untyped-decorator]
+def fail() -> None:
+    """Fail (outside the lanes): its claim is released."""
+    raise ValueError("no such video")

@@ -134,6 +134,18 @@ def test_each_skip_reason_is_told_in_its_own_words_naming_who_and_which_key(
     assert "KeyRefused" in key_refused
 
 
+def test_inspect_of_a_task_id_that_never_had_a_claim_says_its_copy_was_not_run(
+    stories: Stories,
+) -> None:
+    result = stories.inspect("skipped")
+
+    assert result.returncode == 0, result.stderr
+    head = result.stdout.splitlines()[1]
+    assert head.startswith("  no claim and no completion record of its own: its last copy "
+                           "was not run (key_held, on a@")  # fmt: skip
+    assert "record expired" not in result.stdout
+
+
 def test_the_worker_gives_only_reasons_of_the_skip_reason_enum(stories: Stories) -> None:
     client = redis.Redis.from_url(stories.url)
     try:
