@@ -4,7 +4,9 @@
 worker`` processes (``tests.cli.lanes_app`` with lane ``video`` limited to 1, and the keyed
 tasks of ``tests.worker.apps.keyed_app``), makes a task run, wait for its lane, be held, fail
 and be skipped for its key, runs ``celery claims stats`` and ``inspect`` on them as an operator
-would, prints each command with its output, and stops everything. Paste from what it prints.
+would, prints each command with its output, and stops everything. Paste from what it prints;
+``tests/cli/test_docs_examples.py`` checks that the docs show what it prints (times, hosts,
+process ids and counts aside).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def _claims(url: str, app: str, queue: str, *args: str) -> str:
     return f"$ celery -A proj claims {' '.join(args)}\n{result.stdout}{result.stderr}"
 
 
-def main() -> None:
+def examples() -> list[str]:
+    """Each command with what it printed, in the order the docs show them."""
     fleet = Fleet()
     try:
         with redis_server() as server:
@@ -55,12 +58,20 @@ def main() -> None:
             wait_for(lambda: failed.ready(), timeout=20, what="fails-1")
             time.sleep(2)  # the journal's writer, the held copy's first hold
             lanes = ("tests.cli.lanes_app", "video")
-            for args in (("stats",), ("inspect", "render-1"), ("inspect", "render-2"),
-                         ("inspect", "fails-1")):  # fmt: skip
-                print(_claims(url, *lanes, *args))
-            print(_claims(url, "tests.worker.apps.keyed_app", "sync", "inspect", "sync-2"))
+            commands = (("stats",), ("inspect", "render-1"), ("inspect", "render-2"),
+                        ("inspect", "fails-1"))  # fmt: skip
+            shown = [_claims(url, *lanes, *args) for args in commands]
+            return [
+                *shown,
+                _claims(url, "tests.worker.apps.keyed_app", "sync", "inspect", "sync-2"),
+            ]
     finally:
         fleet.cleanup()
+
+
+def main() -> None:
+    for example in examples():
+        print(example)
 
 
 if __name__ == "__main__":

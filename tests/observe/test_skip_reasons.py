@@ -8,6 +8,7 @@ from pathlib import Path
 from celery_claims.observe import SKIP_REASONS, SKIP_WORDING, JournalEvent, SkipReason
 from celery_claims.observe.journal import skip_reasons_reference
 from celery_claims.observe.render import event_text
+from celery_claims.reference import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,3 +58,21 @@ def test_docs_testing_md_lists_the_skip_reasons_as_the_code_has_them() -> None:
         "docs/testing.md's list of skip reasons differs from celery_claims/observe/journal.py: "
         "regenerate it with `python -m celery_claims.reference`"
     )
+
+
+def test_python_m_celery_claims_reference_rewrites_a_drifted_list(tmp_path: Path) -> None:
+    # Given a copy of the docs whose list of skip reasons lacks a row
+    (tmp_path / "docs").mkdir()
+    for name in ("settings.md", "testing.md"):
+        (tmp_path / "docs" / name).write_text((ROOT / "docs" / name).read_text())
+    testing = tmp_path / "docs" / "testing.md"
+    row = next(line for line in testing.read_text().splitlines() if line.startswith("| `key_done`"))
+    testing.write_text(testing.read_text().replace(row + "\n", ""))
+
+    # When the generator runs, twice
+    first, second = main(tmp_path), main(tmp_path)
+
+    # Then it puts the row back, and then finds nothing to do
+    assert first == ["docs/settings.md: up to date", "docs/testing.md: updated"]
+    assert second == ["docs/settings.md: up to date", "docs/testing.md: up to date"]
+    assert skip_reasons_reference() in testing.read_text()
