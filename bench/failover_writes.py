@@ -24,7 +24,7 @@ import time
 from celery_claims import RedisClaimManager
 from celery_claims.connection import sentinel_master
 from celery_claims.errors import ClaimError
-from celery_claims.worker.recovery import Verdict, record_done
+from celery_claims.worker.delivery.verdict import Verdict, record_done
 from tests.servers import RedisSentinels
 
 #: Seconds of writing before the failover, and after it (past the old master's demotion).

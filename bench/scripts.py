@@ -50,7 +50,7 @@ sys.path.insert(0, str(TREE))
 from bench.overhead_app import RIDE0_CLAIM, RIDE0_DONE  # noqa: E402
 from celery_claims import RedisClaimManager  # noqa: E402
 from celery_claims.demo.runner import private_redis  # noqa: E402
-from celery_claims.worker.sender import ScriptCaller, _commands, _pack  # noqa: E402
+from celery_claims.worker.transport.sender import ScriptCaller, _commands, _pack  # noqa: E402
 
 #: Writes the sources a checkout registers, as JSON {name: source}; run with that checkout first
 #: on sys.path (an earlier commit had ``claims/redis.py``'s ``_source``, not ``scripts.py``).

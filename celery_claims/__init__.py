@@ -34,7 +34,7 @@ from celery_claims.model import (
 
 if TYPE_CHECKING:
     # from the defining modules: ``celery_claims.worker.install`` is also a module's name
-    from celery_claims.worker.guard import current_claim
+    from celery_claims.worker.delivery.guard import current_claim
     from celery_claims.worker.install import install
 
 __version__ = "0.1.0"

@@ -6,8 +6,8 @@ takes ``--redis-url`` (or ``-A app``). Output is a human table by default and JS
 ``--json``.
 
 Exit codes: 0 success; 1 nothing found (``inspect`` of an unknown task) or an unsafe setting
-(``check``); 2 the claim store cannot be reached, or a usage or configuration error. Errors
-are one line on stderr.
+(``check``); 2 the claim store cannot be reached, or a usage or configuration error (``check``
+of an app a worker would refuse to start). Errors are one line on stderr.
 """
 
 from __future__ import annotations
@@ -346,17 +346,31 @@ def cleanup(ctx: click.Context, limit: int | None, as_json: bool) -> None:
     default=None,
     help="The workers' pool (default: worker_pool, else prefork): what it does not enforce.",
 )
+@click.option(
+    "--queues",
+    "-Q",
+    default="",
+    metavar="QUEUES",
+    help="Queues the workers consume besides those the app declares (their -Q), "
+    "comma-separated: a lane on one of them matches something.",
+)
 @_json_option
 @click.pass_context
-def check(ctx: click.Context, strict: bool, pool: str | None, as_json: bool) -> None:
-    """Report settings that weaken or defeat claims, each with its fix (needs the app)."""
-    from celery_claims.safety import Severity, check_settings
+def check(ctx: click.Context, strict: bool, pool: str | None, queues: str, as_json: bool) -> None:
+    """Check the app as a worker does when it starts: exit 2 with the worker's own error if
+    it would refuse to start; report settings that weaken or defeat claims, each with its
+    fix, and lanes that match nothing (needs the app)."""
+    from celery_claims.safety import Severity
+    from celery_claims.worker.steps import check_start
 
     target = _target(ctx)
     if target.app is None:
         _fail("check needs the app: run `celery -A yourapp claims check`", EXIT_UNAVAILABLE)
+    consumed = [name.strip() for name in queues.split(",") if name.strip()]
     with _errors(target):
-        findings = check_settings(target.app.conf, pool=pool)
+        # the task modules a worker imports before it starts (imports, include)
+        target.app.loader.import_default_modules()
+        _, findings = check_start(target.app, pool=pool, queues=consumed)
     if as_json:
         _emit_json({"findings": [f.as_dict() for f in findings]})
     elif not findings:

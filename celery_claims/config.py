@@ -23,6 +23,7 @@ Django-style ``CELERY_CLAIMS_*`` values). This module imports neither Celery nor
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import sys
@@ -58,7 +59,10 @@ __all__ = [
     "SETTINGS",
     "LaneSpec",
     "Setting",
+    "LANE_KEYS",
+    "NAMESPACE",
     "broker_url",
+    "closest",
     "derived_renew_interval_ms",
     "parse_lanes",
     "parse_ports",
@@ -446,7 +450,29 @@ def parse_key_declaration(where: str, raw: object) -> tuple[tuple[str, ...], Key
     return names, None
 
 
+# --- names -----------------------------------------------------------------------------------
+
+#: The namespace of every setting and task attribute of this package (``claims`` alone is a
+#: task attribute too).
+NAMESPACE = "claims_"
+
+
+def closest(word: str, known: Iterable[str]) -> str | None:
+    """The name of ``known`` that ``word`` most resembles (:mod:`difflib`), or None.
+
+    Names are compared without the ``claims_`` they all share: with it, any two would look
+    alike.
+    """
+    bare = {name.removeprefix(NAMESPACE): name for name in known}
+    found = difflib.get_close_matches(word.removeprefix(NAMESPACE), list(bare), n=1)
+    return bare[found[0]] if found else None
+
+
 # --- lanes -----------------------------------------------------------------------------------
+
+#: The keys of one lane's dict in ``claims_lanes`` (a keyed lane has ``key`` and
+#: ``limit_per_key`` too).
+LANE_KEYS = ("queues", "limit", "kinds", "key", "limit_per_key")
 
 
 @dataclass(frozen=True)
@@ -523,13 +549,7 @@ def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
             )
         if not isinstance(spec, Mapping):
             raise InvalidArgument("claims_lanes", f"lane {name!r} must be a dict, got {spec!r:.80}")
-        unknown = sorted(set(spec) - {"queues", "limit", "kinds", "key", "limit_per_key"})
-        if unknown:
-            raise InvalidArgument(
-                "claims_lanes",
-                f"lane {name!r} has unknown keys {unknown}; use queues, limit, kinds, key and "
-                f"limit_per_key",
-            )
+        _refuse_unknown_lane_keys(name, spec)
         if "queues" not in spec or "limit" not in spec:
             raise InvalidArgument("claims_lanes", f"lane {name!r} needs 'queues' and 'limit'")
         queues = _names(f"lane {name!r} queues", spec["queues"])
@@ -565,6 +585,23 @@ def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
                     f"kinds",
                 )
     return tuple(lanes)
+
+
+def _refuse_unknown_lane_keys(name: str, spec: Mapping[Any, Any]) -> None:
+    """Refuse a key of lane ``name`` that is not in :data:`LANE_KEYS`, naming the one it
+    resembles (a misspelt ``limit`` would otherwise leave the lane without one)."""
+    unknown = sorted((key for key in spec if key not in LANE_KEYS), key=repr)
+    if not unknown:
+        return
+    said = []
+    for key in unknown:
+        like = closest(key, LANE_KEYS) if isinstance(key, str) else None
+        said.append(f"{key!r:.80}" + (f" (did you mean {like}?)" if like else ""))
+    raise InvalidArgument(
+        "claims_lanes",
+        f"lane {name!r} has unknown key{'s' if len(said) > 1 else ''} {', '.join(said)}; a "
+        f"lane takes queues, limit, kinds, key and limit_per_key",
+    )
 
 
 def _lane_key(
@@ -773,9 +810,14 @@ SETTINGS: tuple[Setting, ...] = (
         '["app.render"]}}`. Each lane caps how many claimed tasks delivered from its `queues` '
         "(only the task names in `kinds`, when given) run at once across every worker that "
         "has the same setting. `limit` 0 pauses the lane. Checked at worker start: unknown "
-        "keys, an empty or non-list `queues`/`kinds`, a negative or non-int `limit`, and two "
+        "keys (each named with the key it resembles: `'limt' (did you mean limit?)`), an "
+        "empty or non-list `queues`/`kinds`, a negative or non-int `limit`, and two "
         "lanes that could both cover a message (same queue, overlapping or missing `kinds`) "
-        "are refused with an error naming `claims_lanes` and the lane. All workers of a lane "
+        "are refused with an error naming `claims_lanes` and the lane. A lane that matches "
+        "nothing (none of its `queues` is declared in `task_queues`, `task_routes`, "
+        "`task_default_queue` or the worker's `-Q`, or none of its `kinds` is a registered "
+        "task) gets a warning naming the queue or task it could have meant; an error under "
+        "`claims_strict_settings`. All workers of a lane "
         'must agree on its limit. A **keyed lane** adds `"key"` (an argument name, a tuple '
         "of them, or a callable of `(args, kwargs)`, as for `claims_key`) and "
         '`"limit_per_key"` (an int from 1 to `limit`): at most that many of its tasks with one '
@@ -801,8 +843,10 @@ SETTINGS: tuple[Setting, ...] = (
         _bool,
         False,
         "At worker start the unsafe-settings check (`celery claims check`) runs and logs each "
-        "finding as a warning with its fix. With `True` the worker refuses to start instead "
-        "(error naming `claims_strict_settings` and listing every finding, non-zero exit).",
+        "finding (and each lane that matches nothing) as a warning with its fix. With `True` "
+        "the worker refuses to start instead (error naming `claims_strict_settings` and "
+        "listing every finding, non-zero exit). It does not soften anything else: an unknown "
+        "`claims_*` name or a bad value stops the worker either way.",
         unit="bool",
         option=bool,
         option_help="Refuse to start on an unsafe Celery setting.",

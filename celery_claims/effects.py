@@ -30,7 +30,7 @@ from redis.crc import key_slot
 from celery_claims.claims.redis import translate_errors
 from celery_claims.errors import BackendError, BackendUnavailable, InvalidArgument
 from celery_claims.model import ClaimToken
-from celery_claims.validation import require_id, require_ms, require_token
+from celery_claims.validation import require_fence, require_id, require_ms, require_token
 
 if TYPE_CHECKING:
     import sqlalchemy
@@ -53,9 +53,6 @@ DEFAULT_EFFECTS_TABLE = "claims_effects"
 
 #: Longest marker key, in characters: the width of the marker table's key column.
 MAX_EFFECT_KEY_CHARS = 512
-
-#: Largest fencing number a marker stores (a BIGINT).
-MAX_INSTANCE = 2**63 - 1
 
 #: Longest marker TTL :func:`apply_once_redis` accepts: ten years (a marker outlives redelivery).
 MAX_MARKER_TTL_MS = 10 * 365 * 24 * 3600 * 1000
@@ -92,14 +89,6 @@ def _key(name: str, value: object) -> str:
             name, f"is {len(key)} characters long; the limit is {MAX_EFFECT_KEY_CHARS}"
         )
     return key
-
-
-def _instance(instance: object) -> int:
-    if isinstance(instance, bool) or not isinstance(instance, int):
-        raise InvalidArgument("instance", f"must be an int, got {type(instance).__name__}")
-    if not 0 <= instance <= MAX_INSTANCE:
-        raise InvalidArgument("instance", f"must be in 0 .. 2**63-1, got {instance}")
-    return instance
 
 
 def effect_key(claim: ClaimToken) -> str:
@@ -272,7 +261,7 @@ def apply_once(
     marker = _key("key", key)
     if not callable(write):
         raise InvalidArgument("write", f"must be callable, got {write!r:.80}")
-    number = _instance(instance)
+    number = require_fence(instance)
     markers = _marker_table(table)
     insert: Any
     if connection.dialect.name == "postgresql":
@@ -446,7 +435,7 @@ def apply_once_redis(
         require_ms("ttl_ms", ttl_ms, maximum=MAX_MARKER_TTL_MS)
         if ttl_ms == 0:
             raise InvalidArgument("ttl_ms", "must be positive (or None: no expiry)")
-    number = _instance(instance)
+    number = require_fence(instance)
     keys = [marker, *(key for _, key, _ in checked)]
     if marker in keys[1:]:
         raise InvalidArgument("ops", f"an op writes the marker key {marker!r}")

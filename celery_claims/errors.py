@@ -108,7 +108,7 @@ class ClaimTokenError(ClaimError):
         token: the token that was refused.
     """
 
-    #: The message of the original implementation, kept verbatim.
+    #: The message of the Rust ``AtomicClaimManager``, kept verbatim.
     message = "Claim token refused"
 
     def __init__(self, token: ClaimToken) -> None:
@@ -137,11 +137,12 @@ class NotClaimOwner(ClaimTokenError):
     message = "Not claim owner"
 
 
-# --- lanes (the port of the original TaskCoreError) -------------------------------------------
+# --- lanes (the port of the Rust TaskClaimStore's TaskCoreError)
+# -------------------------------------------
 
 
 class TaskCoreError(ClaimError):
-    """Root of the lane-claiming errors (the original's ``TaskCoreError``)."""
+    """Root of the lane-claiming errors (the Rust ``TaskClaimStore``'s ``TaskCoreError``)."""
 
 
 class CodecError(TaskCoreError):

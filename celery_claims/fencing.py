@@ -24,6 +24,7 @@ from typing import Any
 
 from celery_claims.errors import InvalidArgument
 from celery_claims.model import ClaimToken
+from celery_claims.validation import require_fence
 
 __all__ = [
     "DEFAULT_FENCE_COLUMN",
@@ -80,12 +81,6 @@ class TaskClaim(ClaimToken):
         )
 
 
-def _instance(instance: object) -> int:
-    if isinstance(instance, bool) or not isinstance(instance, int) or instance < 0:
-        raise InvalidArgument("instance", f"must be a non-negative int, got {instance!r:.80}")
-    return instance
-
-
 # --- SQL (SQLAlchemy Core) -------------------------------------------------------------------
 
 
@@ -93,7 +88,7 @@ def _checked(
     table: Any, key: Mapping[str, Any], instance: object, fence_column: str
 ) -> tuple[int, Any]:
     """The validated instance and the fence column of a fenced SQL write."""
-    number = _instance(instance)
+    number = require_fence(instance)
     if not key:
         raise InvalidArgument("key", "must name at least one column")
     try:
@@ -220,7 +215,7 @@ def fenced_set(client: Any, key: str, value: str | bytes, instance: int) -> bool
     Raises:
         InvalidArgument: a bad instance.
     """
-    number = _instance(instance)
+    number = require_fence(instance)
     reply = _fence_script(client)(keys=[key], args=[str(number), value])
     return int(reply[0]) == 1
 

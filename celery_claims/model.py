@@ -116,7 +116,7 @@ class TookOver:
 class AlreadyDone(_NothingAcquired):
     """The task was completed within the retention period; it must not run again.
 
-    Only returned by ``claim_unless_done``, never by the original ``claim``.
+    Only returned by ``claim_unless_done``, never by the Rust ``AtomicClaimManager``'s ``claim``.
     """
 
     owner: str
@@ -159,7 +159,8 @@ DEFAULT_GIVEN_UP_TTL_MS = 24 * 3600 * 1000
 class ClaimStats:
     """Counters of a claim manager (summed over queues).
 
-    ``nacks`` is kept for parity with the original, which declares it but never counts it.
+    ``nacks`` is kept for parity with the Rust ``AtomicClaimManager``, which declares it but never
+    counts it.
     """
 
     attempts: int = 0

@@ -11,7 +11,9 @@ from celery_claims.model import ClaimToken
 __all__ = [
     "MAX_ID_BYTES",
     "MAX_LEASE_MS",
+    "MAX_FENCE",
     "MAX_TAKEOVERS",
+    "require_fence",
     "require_id",
     "require_limit",
     "require_max_takeovers",
@@ -29,8 +31,22 @@ MAX_LEASE_MS = 30 * 24 * 3600 * 1000
 #: Largest takeover limit accepted; a limit is a handful, this only keeps it a sane int.
 MAX_TAKEOVERS = 2**31 - 1
 
+#: Largest fencing number a guarded write accepts: a signed 64-bit integer, what a SQL
+#: ``BIGINT`` fence column and the effect guard's markers hold.
+MAX_FENCE = 2**63 - 1
+
 #: Largest instance or timestamp a token may carry: exact in a Lua (double) number.
 MAX_TOKEN_NUMBER = 2**53
+
+
+def require_fence(instance: object) -> int:
+    """Return ``instance`` if it is a fencing number a guarded write can store (``0 ..
+    2**63-1``), else raise :class:`InvalidArgument`."""
+    if isinstance(instance, bool) or not isinstance(instance, int):
+        raise InvalidArgument("instance", f"must be an int, got {type(instance).__name__}")
+    if not 0 <= instance <= MAX_FENCE:
+        raise InvalidArgument("instance", f"must be in 0 .. 2**63-1, got {instance!r:.80}")
+    return instance
 
 
 def require_id(name: str, value: Any) -> str:

@@ -4,8 +4,8 @@ A Redis broker can lose a message between the worker's ``BRPOP``, which takes it
 queue, and kombu's write of the delivery to ``unacked`` (a second round trip): a consumer
 killed in between leaves no copy anywhere. So the producer journals each message it publishes
 in the claim store, and workers re-publish a journaled message whose task is neither done nor
-claimed once its recover time has passed (:mod:`celery_claims.worker.journal`). This module is
-the store half, with no Celery in it: one script per operation, every key under the queue's
+claimed once its recover time has passed (:mod:`celery_claims.worker.publish`). This module
+is the store half, with no Celery in it: one script per operation, every key under the queue's
 hash tag (:class:`~celery_claims.claims.keys.QueueKeys`):
 
 - ``{q}:j`` hash, task id -> the message (an opaque string: the Celery layer's envelope);

@@ -41,7 +41,7 @@ __all__ = ["MemoryClaimManager"]
 
 @dataclass
 class _Queue:
-    """One queue's state; guarded by its own lock, as in the original."""
+    """One queue's state; guarded by its own lock, as in the Rust ``AtomicClaimManager``."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     claims: dict[str, ClaimToken] = field(default_factory=dict)
@@ -90,12 +90,13 @@ class MemoryClaimManager:
             stats, **{name: getattr(stats, name) + n for name, n in increments.items()}
         )
 
-    # --- the original API -----------------------------------------------------------------
+    # --- the Rust AtomicClaimManager's API ---------------------------------------------------
 
     def claim(self, queue_id: str, task_id: str, owner: str, lease_ms: int) -> ClaimResult:
         """See :meth:`celery_claims.ClaimManager.claim`."""
         result = self._claim(queue_id, task_id, owner, lease_ms, honour_done=False)
-        # without records or a takeover limit, only the original's results are possible
+        # without records or a takeover limit, only the Rust ``AtomicClaimManager``'s results are
+        # possible
         assert isinstance(result, (Success, AlreadyClaimed, TookOver))
         return result
 
@@ -164,7 +165,8 @@ class MemoryClaimManager:
         return record
 
     def _check(self, queue: _Queue, task_id: str, token: ClaimToken) -> ClaimToken:
-        """The stored claim ``token`` refers to; errors in the original's order."""
+        """The stored claim ``token`` refers to; errors in the Rust ``AtomicClaimManager``'s
+        order."""
         current = queue.claims.get(task_id)
         if current is None:
             raise token_error(ClaimStatus.NOT_FOUND, token)

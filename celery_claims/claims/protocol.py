@@ -1,4 +1,4 @@
-"""The ``ClaimManager`` interface: the port of the original ``AtomicClaimManager``."""
+"""The ``ClaimManager`` interface: the port of the Rust ``AtomicClaimManager``."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ __all__ = ["ClaimManager"]
 class ClaimManager(Protocol):
     """Atomic, leased task ownership.
 
-    The first nine methods are the original API with its exact semantics (see
+    The first nine methods are the Rust ``AtomicClaimManager``'s API with its exact semantics (see
     ``docs/semantics.md``). ``claim_unless_done``, ``complete``, ``done_record`` and ``renew``
     are additions the Celery integration needs to stay at one round trip per message.
     """

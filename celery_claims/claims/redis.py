@@ -122,8 +122,8 @@ class ScriptCall(Generic[_T]):
     """One script call, checked and built but not sent.
 
     :meth:`RedisClaimManager.execute` sends it through the manager's client; a worker's
-    consumer sends it on its own connection (``celery_claims.worker.pipe``). Either way the
-    reply goes through ``decode``, which returns the result or raises the package's error.
+    consumer sends it on its own connection (``celery_claims.worker.transport.pipe``). Either way
+    the reply goes through ``decode``, which returns the result or raises the package's error.
 
     Attributes:
         script: the registered script (``sha`` for ``EVALSHA``, ``script`` for ``EVAL``).
@@ -336,12 +336,13 @@ class RedisClaimManager:
             self._queue_keys[queue_id] = keys
         return keys
 
-    # --- the original API -----------------------------------------------------------------
+    # --- the Rust AtomicClaimManager's API ---------------------------------------------------
 
     def claim(self, queue_id: str, task_id: str, owner: str, lease_ms: int) -> ClaimResult:
         """See :meth:`celery_claims.ClaimManager.claim`."""
         result = self.execute(self.claim_call(queue_id, task_id, owner, lease_ms, False))
-        # without records or a takeover limit, claim.lua answers only the original's results
+        # without records or a takeover limit, claim.lua answers only the Rust
+        # ``AtomicClaimManager``'s results
         assert isinstance(result, (Success, AlreadyClaimed, TookOver))
         return self._replicated(result) if result.acquired else result
 
@@ -410,7 +411,7 @@ class RedisClaimManager:
     def send_calls_with(self, send: Callable[[ScriptCall[Any]], Any] | None) -> None:
         """Send every single call (:meth:`execute`) with ``send(call)``, which returns the
         call's raw reply or raises redis-py's errors: a connection kept by the caller (a
-        worker's pool process keeps one, ``celery_claims.worker.sender.ScriptCaller``).
+        worker's pool process keeps one, ``celery_claims.worker.transport.sender.ScriptCaller``).
         None: through the client again.
 
         Raises:
@@ -622,7 +623,8 @@ class RedisClaimManager:
             ClaimToken(queue_id, _text(task), _text(owner), int(instance), int(created), int(ends))
             for task, instance, created, ends, owner in zip(*[iter(reply)] * 5, strict=True)
         ]
-        # soonest expiry first, ties by task id (the order of the original's sorted index)
+        # soonest expiry first, ties by task id (the order of the Rust ``AtomicClaimManager``'s
+        # sorted index)
         return sorted(tokens, key=lambda t: (t.expires_at, t.task_id))
 
     # --- additions for the Celery integration ---------------------------------------------

@@ -1,6 +1,6 @@
 """Lanes: fleet-wide limits on how many tasks of given kinds are processing at once.
 
-The port of the original's ``TaskClaimStore``: value types, the store protocol, the generic
+The port of the Rust ``TaskClaimStore``: value types, the store protocol, the generic
 claim algorithm, and three stores (memory, Redis, SQL). See ``docs/lanes.md``.
 
 The SQL store lives in :mod:`celery_claims.lanes.sql` and is imported from there, so

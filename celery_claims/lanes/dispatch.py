@@ -1,7 +1,7 @@
 """The generic lane-claim algorithm: :func:`claim_due_for_lane` and its asyncio twin.
 
-This is the original's algorithm, kept step for step; a store only supplies the three storage
-operations of :class:`~celery_claims.lanes.protocol.TaskClaimStore`.
+This is the Rust ``TaskClaimStore``'s algorithm, kept step for step; a store only supplies the three
+storage operations of :class:`~celery_claims.lanes.protocol.TaskClaimStore`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ Clock = Callable[[], datetime]
 #: sane lease, small enough that ``now - stale`` never leaves ``datetime``'s range.
 MAX_STALE_SECS = 2**31 - 1
 
-#: The message of the original's overflow error, kept verbatim.
+#: The message of the Rust ``TaskClaimStore``'s overflow error, kept verbatim.
 TOKEN_OVERFLOW_MESSAGE = "background task processing token overflow"
 
 TaskT = TypeVar("TaskT", bound=ClaimableTaskRecord)
@@ -140,8 +140,8 @@ def claim_due_for_lane(
 ) -> list[tuple[TaskT, TaskLease]]:
     """Claim the due tasks of one lane, up to the lane's free capacity.
 
-    The original's algorithm: a lane with limit 0 claims nothing without calling the store;
-    otherwise list claimable tasks (at most ``limit``), count the active ones, and hand every
+    The Rust ``TaskClaimStore``'s algorithm: a lane with limit 0 claims nothing without calling the
+    store; otherwise list claimable tasks (at most ``limit``), count the active ones, and hand every
     listed task of this lane to the store as a candidate; the store claims as many as the lane
     still has room for when it claims. When no listed task is this lane's, it returns before
     the second clock read and never asks the store to claim.
@@ -178,7 +178,7 @@ def claim_due_for_lane(
         return []
     candidates = _candidates(due, lane_config, task_lane)
     if not candidates:
-        # the original returns here: every listed task was another lane's
+        # the Rust ``TaskClaimStore`` returns here: every listed task was another lane's
         return []
     claimed_at = _read_clock(clock)
     lease_expires_at = claimed_at + stale
@@ -215,7 +215,7 @@ async def aclaim_due_for_lane(
         return []
     candidates = _candidates(due, lane_config, task_lane)
     if not candidates:
-        # the original returns here: every listed task was another lane's
+        # the Rust ``TaskClaimStore`` returns here: every listed task was another lane's
         return []
     claimed_at = _read_clock(clock)
     lease_expires_at = claimed_at + stale

@@ -1,7 +1,7 @@
 """Value types of lane claiming: lane configs, candidates, claims, leases and task records.
 
 A *lane* is a set of task kinds with a limit on how many tasks of those kinds may be processing
-at once, fleet-wide. These types are the port of the original's ``TaskLaneConfig``,
+at once, fleet-wide. These types are the port of the Rust ``TaskClaimStore``'s ``TaskLaneConfig``,
 ``TaskClaimCandidate``, ``ClaimedTask`` and ``TaskLease``; :class:`TaskRecord` is the concrete
 task record the shipped stores return.
 """
@@ -34,14 +34,15 @@ __all__ = [
     "settle_status",
 ]
 
-#: The largest processing token: the original stores tokens as ``i64``; a task whose token has
-#: reached it can never be claimed again, and the lane pass that meets it is aborted.
+#: The largest processing token: the Rust ``TaskClaimStore`` stores tokens as ``i64``; a task whose
+#: token has reached it can never be claimed again, and the lane pass that meets it is aborted.
 MAX_PROCESSING_TOKEN = 2**63 - 1
 
 #: The largest task id the shipped stores accept (a signed 64-bit database id).
 MAX_TASK_ID = 2**63 - 1
 
-#: The largest lane limit (the original's ``u64`` listing limit, kept within SQL's ``BIGINT``).
+#: The largest lane limit (the Rust ``TaskClaimStore``'s ``u64`` listing limit, kept within SQL's
+#: ``BIGINT``).
 MAX_LANE_LIMIT = 2**63 - 1
 
 Kind = TypeVar("Kind", bound=Hashable)
@@ -74,7 +75,8 @@ class TaskLaneConfig(Generic[Kind, Lane]):
         limit: how many tasks of the lane may hold a live lease at once; ``0`` pauses the lane.
             It is also the listing limit of one claim pass.
         fast_continue: a hint for dispatch loops that another pass may follow at once when this
-            one filled the lane (carried for the original's API; the algorithm ignores it).
+            one filled the lane (carried for the Rust ``TaskClaimStore``'s API; the algorithm
+            ignores it).
         lock_key: the name of the lane's lock (the SQL lock row, the Redis hash tag); empty
             means ``str(lane)``. See :attr:`lane_key`.
 
@@ -170,7 +172,8 @@ class TaskLease:
 
 @runtime_checkable
 class ClaimableTaskRecord(Protocol):
-    """What the lane algorithm reads from a listed task (the original's ``TaskRecord``)."""
+    """What the lane algorithm reads from a listed task (the Rust ``TaskClaimStore``'s
+    ``TaskRecord``)."""
 
     @property
     def id(self) -> int:

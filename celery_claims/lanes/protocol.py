@@ -1,7 +1,7 @@
 """The storage interface of lane claiming: :class:`TaskClaimStore` and its asyncio twin.
 
 A store owns the transactions, row locks and statuses of its product; the generic algorithm in
-:mod:`celery_claims.lanes.dispatch` only drives it. These are the original's
+:mod:`celery_claims.lanes.dispatch` only drives it. These are the Rust ``TaskClaimStore``'s
 ``TaskClaimStore`` methods, with ``u64`` counts and limits as ``int`` and ``DateTime<Utc>`` as
 timezone-aware UTC :class:`~datetime.datetime`.
 """
@@ -73,7 +73,8 @@ class TaskClaimStore(Protocol[Task_co, KindT, LaneT]):
 
 @runtime_checkable
 class AsyncTaskClaimStore(Protocol[Task_co, KindT, LaneT]):
-    """The asyncio twin of :class:`TaskClaimStore` (the original's trait is async)."""
+    """The asyncio twin of :class:`TaskClaimStore` (the Rust ``TaskClaimStore``'s trait is
+    async)."""
 
     async def list_claimable_by_kinds(
         self, now: datetime, stale_before: datetime, kinds: Sequence[KindT], limit: int

@@ -394,8 +394,8 @@ class RedisTaskClaimStore:
 
         This drops tasks that are still claimable, so it is for records that only their
         creator would ever claim again: the Celery worker's lane tickets
-        (:mod:`celery_claims.worker.lanes`), never a lane of real tasks. Each batch of at most
-        :data:`PURGE_BATCH` records is one script that re-reads every record it removes, so a
+        (:mod:`celery_claims.worker.delivery.lanes`), never a lane of real tasks. Each batch of at
+        most :data:`PURGE_BATCH` records is one script that re-reads every record it removes, so a
         record claimed or renewed meanwhile is kept; the id index entries of the removed
         records are deleted after each batch (another slot, another round trip).
 

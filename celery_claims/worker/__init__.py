@@ -4,10 +4,11 @@ Only this subpackage imports Celery; the claim core does not.
 """
 
 from celery_claims.worker.consumer import ClaimsConsumerMixin
+from celery_claims.worker.delivery.copy import Copy
+from celery_claims.worker.delivery.guard import ClaimUnverified, StaleCopy, current_claim
+from celery_claims.worker.delivery.state import State
 from celery_claims.worker.event_journal import connect_journal, journal_connected
-from celery_claims.worker.guard import ClaimUnverified, StaleCopy, current_claim
 from celery_claims.worker.install import install
-from celery_claims.worker.lifecycle import Copy, State
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.settings import ClaimsSettings, LaneSpec, load_settings
 from celery_claims.worker.signals import (

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery_claims.errors import InvalidArgument
-from celery_claims.worker.gate import ClaimGate
+from celery_claims.worker.delivery.gate import ClaimGate
 from celery_claims.worker.steps import Gate
 
 __all__ = ["ClaimsConsumerMixin"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery_claims.worker.delivery.guard import declare_request_key
 from celery_claims.worker.event_journal import connect_journal, journal_connected
-from celery_claims.worker.guard import declare_request_key
-from celery_claims.worker.journal import connect_producer
+from celery_claims.worker.publish.producer import connect_producer
 from celery_claims.worker.settings import add_worker_options
 from celery_claims.worker.steps import EventJournal, Gate, LeaseKeeper, Sweep
 from celery_claims.worker.tasks import connect_schedule, register_cleanup_task
@@ -30,7 +30,7 @@ def install(app: Any) -> Any:
     Idempotent. Settings are read and validated when a worker starts, so ``install`` can run
     before the app is configured. In every process of the app, producers included, each
     message it publishes is written to the claim store's publish journal
-    (:mod:`celery_claims.worker.journal`; ``claims_journal``), so a message lost between the
+    (:mod:`celery_claims.worker.publish`; ``claims_journal``), so a message lost between the
     broker and a worker is re-published.
 
     Args:

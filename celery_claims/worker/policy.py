@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery_claims.errors import InvalidArgument
-from celery_claims.worker.keyed import check_key_arguments, key_spec, signature_of
+from celery_claims.worker.delivery.keyed import check_key_arguments, key_spec, signature_of
 from celery_claims.worker.settings import ClaimsSettings
 
 __all__ = ["EXEMPT_PREFIXES", "check_task_policies", "is_exempt", "time_limit_of"]
@@ -61,7 +61,7 @@ def time_limit_of(
 
 def check_task_policies(app: Any, settings: ClaimsSettings) -> None:
     """Validate the per-task ``claims``, ``claims_lease_ms`` and keyed-claim attributes
-    (``claims_key`` and its ``claims_key_*``, :func:`~celery_claims.worker.keyed.key_spec`)
+    (``claims_key`` and its ``claims_key_*``, :func:`~celery_claims.worker.delivery.keyed.key_spec`)
     of every task, and that the tasks a keyed lane lists under ``kinds`` take its key's
     arguments.
 

@@ -7,13 +7,15 @@ from typing import Any
 
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import close as close_client
-from celery_claims.worker.journal import PUBLISH_COUNTERS, WorkerJournal
-from celery_claims.worker.lanes import WorkerLanes
-from celery_claims.worker.lifecycle import Copy, Lifecycle
-from celery_claims.worker.sender import ScriptCaller, keep_calls
+from celery_claims.worker.delivery.copy import Copy
+from celery_claims.worker.delivery.lanes import WorkerLanes
+from celery_claims.worker.delivery.lifecycle import Lifecycle
+from celery_claims.worker.publish.clearing import WorkerJournal
+from celery_claims.worker.publish.producer import PUBLISH_COUNTERS
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.signals import Counters
-from celery_claims.worker.store import new_manager
+from celery_claims.worker.transport.sender import ScriptCaller, keep_calls
+from celery_claims.worker.transport.store import new_manager
 
 __all__ = ["ClaimsRuntime"]
 
@@ -28,7 +30,8 @@ class ClaimsRuntime:
         app: the Celery app.
         settings: the validated settings.
         hostname: the worker's node name (the first part of every owner string).
-        manager: a claim manager (default: from :func:`~celery_claims.worker.store.new_manager`).
+        manager: a claim manager (default: from
+        :func:`~celery_claims.worker.transport.store.new_manager`).
     """
 
     def __init__(
@@ -66,7 +69,7 @@ class ClaimsRuntime:
         self.journal: WorkerJournal | None = None
         if settings.journal:
             self.journal = WorkerJournal(app, settings, self.manager, self.counters, hostname)
-            self.life.on_settled = self.journal.settled
+            self.life.on_gone = self.journal.settled
 
     def live_claims(self) -> list[Copy]:
         """The copies whose claims are renewed right now."""

@@ -2,44 +2,47 @@
 
 - :class:`LeaseKeeper` (worker): reads and checks the settings, creates the worker's
   :class:`~celery_claims.worker.runtime.ClaimsRuntime` (``worker.claims``), guards the tasks'
-  ``run`` and runs the :class:`~celery_claims.worker.keeper.Keeper` thread.
+  ``run`` and runs the :class:`~celery_claims.worker.delivery.keeper.Keeper` thread.
 - :class:`EventJournal` (worker): stops the event journal's writer at shutdown, after writing
   what it holds for a bounded time (:func:`~celery_claims.worker.event_journal.stop_journal`).
-- :class:`Gate` (consumer): installs the :class:`~celery_claims.worker.gate.ClaimGate` in
+- :class:`Gate` (consumer): installs the :class:`~celery_claims.worker.delivery.gate.ClaimGate` in
   front of ``consumer.on_task_request``.
 - :class:`Sweep` (consumer): runs the Redis broker's restore sweep where kombu does not run it
-  at the configured cadence (:class:`~celery_claims.worker.sweep.RestoreSweep`: pools without
-  an event loop, and kombu before 5.7).
+  at the configured cadence (:class:`~celery_claims.worker.transport.sweep.RestoreSweep`: pools
+  without an event loop, and kombu before 5.7).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from celery import bootsteps
 from celery.utils.log import get_logger
 
 from celery_claims.errors import InvalidArgument
-from celery_claims.safety import Severity, check_settings
-from celery_claims.worker.compat import (
-    check_versions,
-    forget_hub_when_closed,
-    pool_name,
-    store_is_broker,
-)
+from celery_claims.names import check_names, lane_findings
+from celery_claims.safety import Finding, Severity, check_settings
+from celery_claims.worker.compat import check_versions, pool_name
+from celery_claims.worker.delivery.gate import ClaimGate
+from celery_claims.worker.delivery.guard import guard_tasks
+from celery_claims.worker.delivery.keeper import Keeper
 from celery_claims.worker.event_journal import stop_journal
-from celery_claims.worker.gate import ClaimGate
-from celery_claims.worker.guard import guard_tasks
-from celery_claims.worker.journal import connect_producer
-from celery_claims.worker.keeper import Keeper
 from celery_claims.worker.policy import check_task_policies
+from celery_claims.worker.publish.producer import connect_producer
 from celery_claims.worker.runtime import ClaimsRuntime
-from celery_claims.worker.settings import WORKER_OPTION_NAMES, SettingRefused, load_settings
-from celery_claims.worker.store import check_store
-from celery_claims.worker.sweep import RestoreSweep, bound_restore_lock
+from celery_claims.worker.settings import (
+    WORKER_OPTION_NAMES,
+    ClaimsSettings,
+    SettingRefused,
+    load_settings,
+)
+from celery_claims.worker.transport.broker import store_is_broker
+from celery_claims.worker.transport.loop import forget_hub_when_closed
+from celery_claims.worker.transport.store import check_store
+from celery_claims.worker.transport.sweep import RestoreSweep, bound_restore_lock
 
-__all__ = ["EventJournal", "Gate", "LeaseKeeper", "Sweep", "check_unsafe_settings"]
+__all__ = ["EventJournal", "Gate", "LeaseKeeper", "Sweep", "check_start", "check_unsafe_settings"]
 
 logger = get_logger("celery_claims.worker")
 
@@ -60,6 +63,41 @@ class _Overridden:
         return getattr(self._conf, "broker_read_url", None)
 
 
+def check_start(
+    app: Any,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    pool: str | None = None,
+    queues: Iterable[str] = (),
+) -> tuple[ClaimsSettings, list[Finding]]:
+    """Everything a worker of ``app`` checks before it starts; ``celery claims check`` runs
+    this same function, so the two refuse the same configurations with the same words.
+
+    Args:
+        app: the Celery app, its tasks registered.
+        overrides: the worker's ``--claims-*`` values (``None`` values are ignored).
+        pool: the worker's pool by Celery's name (what it does not enforce is noticed).
+        queues: the queues the worker consumes, besides those the configuration declares.
+
+    Returns:
+        The settings, and the findings to report (unsafe settings, lanes that match
+        nothing), errors first.
+
+    Raises:
+        InvalidArgument: an unknown ``claims_*`` name, a refused value, a bad task attribute,
+            or, under ``claims_strict_settings``, any finding but a notice.
+    """
+    overrides = overrides or {}
+    check_names(app.conf, app.tasks)
+    settings = load_settings(app, overrides)
+    check_task_policies(app, settings)
+    findings = check_settings(_Overridden(app.conf, overrides), pool=pool or None)
+    findings += lane_findings(settings.lanes, app.conf, app.tasks, queues)
+    findings.sort(key=lambda finding: list(Severity).index(finding.severity))
+    _refuse_unsafe(findings, strict=settings.strict_settings)
+    return settings, findings
+
+
 def check_unsafe_settings(
     conf: Any, overrides: Mapping[str, Any], *, strict: bool, pool: str | None = None
 ) -> None:
@@ -72,6 +110,12 @@ def check_unsafe_settings(
             ``claims_strict_settings`` and the message lists every finding.
     """
     findings = check_settings(_Overridden(conf, overrides), pool=pool or None)
+    log_findings(findings)
+    _refuse_unsafe(findings, strict=strict)
+
+
+def log_findings(findings: Iterable[Finding]) -> None:
+    """Log each finding as a warning (a notice says what the pool does not do)."""
     for finding in findings:
         if finding.severity is Severity.NOTICE:
             # what the pool does not do: nothing in the settings to fix, never refused
@@ -80,12 +124,15 @@ def check_unsafe_settings(
         logger.warning(
             "Unsafe setting %s (%s): %s", finding.key, finding.severity.value, finding.message
         )
-    findings = [f for f in findings if f.severity is not Severity.NOTICE]
-    if strict and findings:
-        listed = "; ".join(f"{f.key}: {f.message}" for f in findings)
+
+
+def _refuse_unsafe(findings: Iterable[Finding], *, strict: bool) -> None:
+    refused = [f for f in findings if f.severity is not Severity.NOTICE]
+    if strict and refused:
+        listed = "; ".join(f"{f.key}: {f.message}" for f in refused)
         raise InvalidArgument(
             "claims_strict_settings",
-            f"the worker refuses to start with {len(findings)} unsafe setting(s): {listed}",
+            f"the worker refuses to start with {len(refused)} unsafe setting(s): {listed}",
         )
 
 
@@ -105,12 +152,13 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
         overrides = {name: kwargs.get(name) for name in WORKER_OPTION_NAMES}
         pool = pool_name(getattr(w, "pool_cls", None))
         try:
-            settings = load_settings(w.app, overrides)
-            check_task_policies(w.app, settings)
-            check_unsafe_settings(w.app.conf, overrides, strict=settings.strict_settings, pool=pool)
+            # the queues it consumes are known by now (-Q, Celery's setup_queues)
+            consumed = list(w.app.amqp.queues)
+            settings, findings = check_start(w.app, overrides, pool=pool, queues=consumed)
         except InvalidArgument as exc:
             # one line naming the setting under `celery worker`, not a traceback
             raise SettingRefused.of(exc) from None
+        log_findings(findings)
         check_versions()
         # before the consumer connects: the restore lock of a sweeper killed in mid-sweep
         # must not stop takeovers for kombu's 300 s

@@ -3,12 +3,12 @@
 Idempotent (removing an expired claim twice removes nothing the second time) and bounded per
 run by ``claims_cleanup_limit``, so one run never holds the claim store for long. With
 ``claims_lanes`` it also purges the lane tickets of workers that are gone
-(:meth:`~celery_claims.worker.lanes.WorkerLanes.purge`, at most that limit per lane). With
+(:meth:`~celery_claims.worker.delivery.lanes.WorkerLanes.purge`, at most that limit per lane). With
 ``claims_journal`` it also recovers the publish journal of every queue claims were ever taken
-in (:class:`~celery_claims.worker.journal.JournalRecovery`, under the same per-queue lock the
-workers take), so a queue whose workers are all gone still gets its lost messages back. Its schedule
-entry is added on ``app.on_after_finalize`` with ``setdefault``: ``celery beat`` finalizes the
-app after importing the user's module, so a ``beat_schedule`` assigned after ``install(app)``
+in (:class:`~celery_claims.worker.publish.recovery.JournalRecovery`, under the same per-queue lock
+the workers take), so a queue whose workers are all gone still gets its lost messages back. Its
+schedule entry is added on ``app.on_after_finalize`` with ``setdefault``: ``celery beat`` finalizes
+the app after importing the user's module, so a ``beat_schedule`` assigned after ``install(app)``
 still gets the entry, and an entry the user defines under the same name wins.
 """
 
@@ -18,11 +18,11 @@ from datetime import timedelta
 from typing import Any
 
 from celery_claims.config import resolve
-from celery_claims.worker.journal import JournalRecovery
-from celery_claims.worker.lanes import WorkerLanes
+from celery_claims.worker.delivery.lanes import WorkerLanes
+from celery_claims.worker.publish.recovery import JournalRecovery
 from celery_claims.worker.settings import load_settings
 from celery_claims.worker.signals import Counters
-from celery_claims.worker.store import new_manager
+from celery_claims.worker.transport.store import new_manager
 
 __all__ = [
     "CLEANUP_TASK_NAME",

@@ -93,3 +93,25 @@ def test_a_task_claim_round_trips_to_its_token() -> None:
     assert claim.instance == 7
     assert claim.lease_ms == 60_000
     assert claim.token() == token
+
+
+@pytest.mark.parametrize("instance", [2**63, 2**64 + 1])
+def test_a_fence_beyond_a_signed_64_bit_integer_is_refused_before_any_write(
+    instance: int,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    sqlite_table: tuple[sa.Engine, sa.Table],
+) -> None:
+    # Given a fence no SQL bigint (nor the effect guard) can hold
+    # When a fenced write is asked with it, Then it is refused as bad input, nothing written
+    key = f"{key_prefix}:huge"
+    with pytest.raises(InvalidArgument, match=r"instance.*2\*\*63-1"):
+        fenced_set(redis_client, key, "x", instance)
+    assert redis_client.exists(key) == 0
+    engine, table = sqlite_table
+    with engine.begin() as conn:
+        with pytest.raises(InvalidArgument, match=r"instance.*2\*\*63-1"):
+            fenced_upsert(conn, table, {"id": 9}, {"writer": "x"}, instance)
+        with pytest.raises(InvalidArgument, match=r"instance.*2\*\*63-1"):
+            fenced_update(conn, table, {"id": 9}, {"writer": "x"}, instance)
+        assert conn.execute(sa.select(table.c.id)).all() == []

@@ -30,7 +30,7 @@ from kombu.transport.redis import Channel as RedisChannel
 
 from celery_claims import RedisClaimManager
 from celery_claims.worker import install
-from celery_claims.worker.compat import restore_cadence, restore_visible
+from celery_claims.worker.transport.sweep import restore_cadence, restore_visible
 from tests.worker.helpers import (
     FAST_REDELIVERY,
     HELD_RECHECK_MS,

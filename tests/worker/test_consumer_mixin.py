@@ -12,7 +12,7 @@ from celery import Celery
 from celery_claims import RedisClaimManager
 from celery_claims.errors import InvalidArgument
 from celery_claims.worker import ClaimsConsumerMixin, signals
-from celery_claims.worker.gate import ClaimGate
+from celery_claims.worker.delivery.gate import ClaimGate
 from celery_claims.worker.steps import Gate
 from tests.servers import RedisServer
 from tests.worker.apps import custom_consumer

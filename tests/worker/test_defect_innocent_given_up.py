@@ -20,7 +20,7 @@ from celery import Celery
 
 from celery_claims import AlreadyDone, RedisClaimManager, TookOver
 from celery_claims.fencing import TaskClaim
-from celery_claims.worker.guard import ClaimUnverified, declare_request_key, guard_tasks
+from celery_claims.worker.delivery.guard import ClaimUnverified, declare_request_key, guard_tasks
 from celery_claims.worker.settings import load_settings
 from tests.servers import RedisServer
 from tests.worker.helpers import close_app, in_process_worker, make_app, unique, wait_done

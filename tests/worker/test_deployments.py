@@ -22,9 +22,9 @@ import redis
 from celery import Celery
 
 from celery_claims import RedisClaimManager
-from celery_claims.worker.compat import store_is_broker
 from celery_claims.worker.settings import load_settings
-from celery_claims.worker.store import new_client
+from celery_claims.worker.transport.broker import store_is_broker
+from celery_claims.worker.transport.store import new_client
 from tests.servers import (
     RedisClusterNodes,
     RedisSentinels,

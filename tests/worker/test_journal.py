@@ -24,12 +24,9 @@ from celery.worker import state as worker_state
 from celery_claims import InvalidArgument, RedisClaimManager
 from celery_claims.claims.journal import RedisJournal
 from celery_claims.worker import load_settings
-from celery_claims.worker.journal import (
-    PUBLISH_COUNTERS,
-    Envelope,
-    JournalRecovery,
-    connect_producer,
-)
+from celery_claims.worker.publish.envelope import Envelope
+from celery_claims.worker.publish.producer import PUBLISH_COUNTERS, connect_producer
+from celery_claims.worker.publish.recovery import JournalRecovery
 from celery_claims.worker.signals import Counters
 from tests.servers import RedisServer, free_port
 from tests.worker.helpers import close_app, in_process_worker, make_app, wait_for

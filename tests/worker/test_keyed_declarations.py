@@ -11,7 +11,7 @@ from celery import Celery
 from celery_claims import InvalidArgument
 from celery_claims.errors import KeyRefused
 from celery_claims.worker import install, load_settings
-from celery_claims.worker.keyed import KeySpecs, key_spec
+from celery_claims.worker.delivery.keyed import KeySpecs, key_spec
 from celery_claims.worker.policy import check_task_policies
 from tests.servers import RedisServer
 from tests.worker.helpers import unique

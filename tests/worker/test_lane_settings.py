@@ -49,7 +49,13 @@ def test_a_lane_maps_its_queues_and_optional_kinds_to_a_spec() -> None:
         ({"": {"queues": ["q"], "limit": 1}}, "lane names must be non-empty"),
         ({"v": ["q"]}, "lane 'v' must be a dict"),
         ({"v": {"queues": ["q"]}}, "needs 'queues' and 'limit'"),
-        ({"v": {"queues": ["q"], "limit": 1, "max": 2}}, "unknown keys \\['max'\\]"),
+        ({"v": {"queues": ["q"], "limit": 1, "max": 2}}, "unknown key 'max'; a lane takes queues"),
+        ({"v": {"queues": ["q"], "limt": 1}}, "unknown key 'limt' \\(did you mean limit\\?\\)"),
+        (
+            {"v": {"queues": ["q"], "limit": 2, "key": "k", "per_key": 1, "kind": ["t"]}},
+            "unknown keys 'kind' \\(did you mean kinds\\?\\), 'per_key' \\(did you mean "
+            "limit_per_key\\?\\)",
+        ),
         ({"v": {"queues": "q", "limit": 1}}, "queues must be a list of names"),
         ({"v": {"queues": [], "limit": 1}}, "queues must not be empty"),
         ({"v": {"queues": [""], "limit": 1}}, "must hold non-empty names"),

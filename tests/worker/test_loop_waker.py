@@ -16,7 +16,7 @@ import types
 from kombu.asynchronous import Hub
 from kombu.asynchronous.timer import Timer
 
-from celery_claims.worker.compat import LoopWaker
+from celery_claims.worker.transport.loop import LoopWaker
 
 
 def test_a_callback_from_another_thread_runs_while_the_loop_sleeps_in_poll() -> None:

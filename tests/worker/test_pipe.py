@@ -34,7 +34,7 @@ from celery_claims import (
     Success,
 )
 from celery_claims.connection import StoreUnusable, close, connect
-from celery_claims.worker.pipe import ClusterPipe, StorePipe, consumer_pipe
+from celery_claims.worker.transport.pipe import ClusterPipe, StorePipe, consumer_pipe
 from tests.servers import (
     RedisServer,
     TlsRedisServer,

@@ -15,8 +15,8 @@ import pytest
 
 from celery_claims import RedisClaimManager
 from celery_claims.claims.journal import RedisJournal
-from celery_claims.worker.compat import PublishRide
 from celery_claims.worker.identity import Attempt, claim_task_id
+from celery_claims.worker.transport.publish import PublishRide
 from tests.servers import RedisServer
 from tests.worker.helpers import FAST_REDELIVERY, close_app, in_process_worker, make_app, wait_for
 from tests.worker.test_ack_ride import Monitor

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_claims import RedisClaimManager
-from celery_claims.worker.sender import ScriptSender
+from celery_claims.worker.transport.sender import ScriptSender
 from tests.servers import RedisServer
 from tests.worker.helpers import unique, wait_done, wait_for
 from tests.worker.processes import Fleet, events_of, executions, unacked_task_ids

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery_claims import RedisClaimManager
 from celery_claims.model import AlreadyDone, ClaimToken
-from celery_claims.worker.recovery import Verdict, restore_records
+from celery_claims.worker.delivery.verdict import Verdict, restore_records
 
 LEASE_MS = 60_000
 TTL_MS = 3_600_000

@@ -19,7 +19,7 @@ import redis
 from kombu import Connection
 from kombu.transport.redis import Mutex
 
-from celery_claims.worker.compat import restore_mutex_expire
+from celery_claims.worker.transport.sweep import restore_mutex_expire
 from tests.servers import RedisServer
 from tests.worker.helpers import FAST_REDELIVERY, LEASE_MS, unique, wait_done, wait_for
 from tests.worker.processes import Fleet, executions

@@ -28,12 +28,8 @@ import pytest
 from celery import Celery
 from kombu import Connection
 
-from celery_claims.worker.compat import (
-    Delivery,
-    refresh_unacked,
-    restore_cadence,
-    restore_visible,
-)
+from celery_claims.worker.transport.broker import Delivery, refresh_unacked
+from celery_claims.worker.transport.sweep import restore_cadence, restore_visible
 from tests.servers import RedisServer
 from tests.worker.helpers import (
     FAST_REDELIVERY,

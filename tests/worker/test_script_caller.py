@@ -25,10 +25,10 @@ from celery_claims import ClaimToken, RedisClaimManager
 from celery_claims.claims.redis import ScriptCall
 from celery_claims.errors import InsufficientReplicas, InvalidArgument
 from celery_claims.model import Success
-from celery_claims.worker import sender
 from celery_claims.worker.runtime import ClaimsRuntime
-from celery_claims.worker.sender import ScriptCaller
 from celery_claims.worker.settings import load_settings
+from celery_claims.worker.transport import sender
+from celery_claims.worker.transport.sender import ScriptCaller
 from tests.servers import RedisServer, command_calls, redis_server
 
 OWNER = "w@host/1/n.1"

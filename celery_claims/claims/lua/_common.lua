@@ -226,7 +226,7 @@ local function record_field(task, owner)
   return task_key or task
 end
 
--- The claim a token refers to, checked in the original's order: not found (4), then another
+-- The claim a token refers to, checked in the Rust AtomicClaimManager's order: not found (4), then another
 -- instance (5: stale), then another owner (6). Returns status 1 and the parsed entry when the
 -- token holds the claim. Expiry is not checked (release and extend ignore it).
 local function check_token(claims_key, owners_key, task, owner, instance)
@@ -244,7 +244,7 @@ local function check_token(claims_key, owners_key, task, owner, instance)
   return 1, e
 end
 
--- Release the claim a token holds (the original's release); with a record TTL, keep a
+-- Release the claim a token holds (the Rust AtomicClaimManager's release); with a record TTL, keep a
 -- completion record too. k = the queue's {claims, stats, records, owners} keys (release.lua's
 -- KEYS[1..4]). Returns 1 (released) or check_token's refusal.
 local function release_claim(k, task, owner, instance, record_ttl, now_arg)

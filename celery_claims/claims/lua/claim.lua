@@ -1,4 +1,4 @@
--- Claim a task: the original's claim, optionally refusing a task with a completion record and
+-- Claim a task: the Rust AtomicClaimManager's claim, optionally refusing a task with a completion record and
 -- giving a task up once its claim has been taken over too often (a poison task).
 -- KEYS[1] = claims hash of the queue        ({q}:c)  task -> entry (see parse_entry)
 -- KEYS[2] = instance counter of the queue   ({q}:n)
@@ -21,7 +21,7 @@
 --          {7 DONE, instance, done_at, owner}
 --          {8 GIVEN_UP, takeovers, given_up_at, previous owner}
 local now = now_ms(ARGV[4])
--- attempts are counted first, whatever the outcome (the original's order)
+-- attempts are counted first, whatever the outcome (the Rust AtomicClaimManager's order)
 redis.call('HINCRBY', KEYS[3], 'attempts', 1)
 
 if ARGV[5] == '1' then

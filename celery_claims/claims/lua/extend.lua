@@ -1,4 +1,4 @@
--- Extend a claim (the original's extend): the extension is added to the old expiry.
+-- Extend a claim (the Rust AtomicClaimManager's extend): the extension is added to the old expiry.
 -- KEYS[1] = claims hash of the queue        ({q}:c)
 -- KEYS[2] = owners hash of the queue        ({q}:o)
 -- ARGV[1] = task id

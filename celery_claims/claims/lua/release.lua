@@ -1,4 +1,4 @@
--- Release a claim (the original's release); with a TTL, also keep a completion record.
+-- Release a claim (the Rust AtomicClaimManager's release); with a TTL, also keep a completion record.
 -- KEYS[1] = claims hash of the queue        ({q}:c)  task -> entry
 -- KEYS[2] = stats hash of the queue         ({q}:s)
 -- KEYS[3] = completion records of the queue ({q}:d)  task -> record

@@ -7,7 +7,7 @@ re-claimed the task under the same owner (a new instance). :func:`recover` tells
 with a few more round trips, only on the rare refused token, and :func:`record_done`
 uses it to record a completion whatever happened to the claim meanwhile;
 :func:`restore_records` writes many completion records again at once, after a Sentinel
-failover (:mod:`celery_claims.worker.failover`). The main process
+failover (:mod:`celery_claims.worker.transport.failover`). The main process
 (the lease keeper) and the pool processes (the guard) share both, so each case is decided
 one way.
 """

@@ -7,11 +7,11 @@ runs in the worker's main process, and it is set before the strategies capture i
 wrapper survives connection restarts.
 
 For each request it claims the task (``claim_unless_done``) and hands the outcome to the
-lifecycle (:mod:`celery_claims.worker.lifecycle`), which decides what happens to the copy:
+lifecycle (:mod:`celery_claims.worker.delivery.lifecycle`), which decides what happens to the copy:
 run it, skip it, hold it. Where the claim store is the Redis broker's own server, the claim
 was sent already, in the transaction in which kombu recorded the delivery
-(:class:`~celery_claims.worker.compat.BrokerRide`): the gate reads its reply. Elsewhere it
-queues the claim on the consumer's own connection (:mod:`celery_claims.worker.pipe`: sent
+(:class:`~celery_claims.worker.transport.broker.BrokerRide`): the gate reads its reply. Elsewhere it
+queues the claim on the consumer's own connection (:mod:`celery_claims.worker.transport.pipe`: sent
 when the event loop is about to poll, in one script call with the other claims and records
 of its queue queued meanwhile) and goes on; the copy is decided when the event loop reads the
 reply (without an event loop, the manager's blocking client makes the round trip). For a
@@ -30,21 +30,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from celery.exceptions import TaskRevokedError
 from celery.utils.log import get_logger
 
 from celery_claims.claims.redis import ScriptCall
 from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument, KeyRefused
 from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
-from celery_claims.worker.compat import BrokerRide, unwrap_exception
-from celery_claims.worker.guard import REQUEST_KEY, SETTLE_KEY, is_guarded
+from celery_claims.worker.compat import (
+    RequestHooks,
+    hook_request,
+    request_fields,
+    set_request_field,
+)
+from celery_claims.worker.delivery.copy import Copy
+from celery_claims.worker.delivery.guard import REQUEST_KEY, SETTLE_KEY, is_guarded
+from celery_claims.worker.delivery.keyed import KeyedClaim, KeySpecs
+from celery_claims.worker.delivery.state import State
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
-from celery_claims.worker.keyed import KeyedClaim, KeySpecs
-from celery_claims.worker.lifecycle import Copy, State
-from celery_claims.worker.pipe import Pipe, consumer_pipe
 from celery_claims.worker.policy import is_exempt, time_limit_of
 from celery_claims.worker.runtime import ClaimsRuntime
+from celery_claims.worker.transport.broker import BrokerRide
+from celery_claims.worker.transport.pipe import Pipe, consumer_pipe
 
 __all__ = ["ClaimGate"]
 
@@ -82,7 +88,7 @@ class ClaimGate:
     Args:
         consumer: the worker's ``Consumer``.
         runtime: the worker's claim state (``worker.claims``).
-        inner: the original ``on_task_request``.
+        inner: Celery's own ``on_task_request`` (the consumer's, before the gate).
     """
 
     def __init__(self, consumer: Any, runtime: ClaimsRuntime, inner: Callable[[Any], Any]):
@@ -127,7 +133,7 @@ class ClaimGate:
         # no claim rode kombu's write (or it failed there): claimed here under a new owner
         try:
             queue_id = self.queues.queue_of(request.delivery_info)
-            task_key = claim_task_id(request.id, attempt_of(request.request_dict))
+            task_key = claim_task_id(request.id, attempt_of(request_fields(request)))
         except Exception:
             # unreadable routing or attempt: never run unclaimed; the message stays unacked
             # and the broker redelivers it
@@ -384,77 +390,35 @@ class ClaimGate:
         assert copy.token is not None
         # The request dict is what the pool hands to the tracer (pickled to a prefork child),
         # which builds ``self.request`` from it: this is how task code sees its claim.
-        request.request_dict[REQUEST_KEY] = TaskClaim.of(
-            copy.token, copy.lease_ms, mark_start=copy.mark_start
+        set_request_field(
+            request,
+            REQUEST_KEY,
+            TaskClaim.of(copy.token, copy.lease_ms, mark_start=copy.mark_start),
         )
         settle = self.life.pool_settle(copy)
         copy.pool_settles = settle is not None
-        if settle is None:
-            request.request_dict.pop(SETTLE_KEY, None)
-        else:
-            request.request_dict[SETTLE_KEY] = settle
+        set_request_field(request, SETTLE_KEY, settle)
         # read now: `celery control time_limit` may have changed the task's since it arrived
         copy.time_limit_s = time_limit_of(request, request.task, self.runtime.time_limits)
         self._wrap(copy)
         self.inner(request)
 
     def _wrap(self, copy: Copy) -> None:
-        # Instance attributes: Celery's generated Request subclass overrides these methods on
-        # the class, but the pool call looks them up on the instance at call time.
-        request = copy.request
         life = self.life
-        on_accepted = request.on_accepted
-        on_success = request.on_success
-        on_failure = request.on_failure
-        on_timeout = request.on_timeout
-        execute_using_pool = request.execute_using_pool
-
-        def claims_on_accepted(*args: Any, **kwargs: Any) -> Any:
-            result = on_accepted(*args, **kwargs)
-            life.started(copy)
-            return result
-
-        def claims_on_success(failed__retval__runtime: Any, **kwargs: Any) -> Any:
-            if failed__retval__runtime[0]:
-                # a failed trace goes on to request.on_failure, which is wrapped too
-                return on_success(failed__retval__runtime, **kwargs)
-            _report(
-                copy,
-                life.succeeded,
-                lambda: on_success(failed__retval__runtime, **kwargs),
-            )
-            return None
-
-        def claims_on_failure(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
-            exc = unwrap_exception(getattr(exc_info, "exception", None))
-            _report(
-                copy,
-                lambda c, h: life.failed(c, exc, h),
-                lambda: on_failure(exc_info, *args, **kwargs),
-            )
-            return None
-
-        def claims_on_timeout(soft: bool, timeout: Any) -> Any:
-            _report(
-                copy,
-                lambda c, h: life.timed_out(c, soft, h),
-                lambda: on_timeout(soft, timeout),
-            )
-            return None
-
-        def claims_execute_using_pool(pool: Any, **kwargs: Any) -> Any:
-            try:
-                return execute_using_pool(pool, **kwargs)
-            except TaskRevokedError:
-                # revoked before it ran: Celery acks it without calling any callback
-                life.revoked(copy)
-                raise
-
-        request.on_accepted = claims_on_accepted
-        request.on_success = claims_on_success
-        request.on_failure = claims_on_failure
-        request.on_timeout = claims_on_timeout
-        request.execute_using_pool = claims_execute_using_pool
+        hook_request(
+            copy.request,
+            RequestHooks(
+                accepted=lambda: life.started(copy),
+                succeeded=lambda handler: _report(copy, life.succeeded, handler),
+                failed=lambda exc, handler: _report(
+                    copy, lambda c, h: life.failed(c, exc, h), handler
+                ),
+                timed_out=lambda soft, handler: _report(
+                    copy, lambda c, h: life.timed_out(c, soft, h), handler
+                ),
+                revoked=lambda: life.revoked(copy),
+            ),
+        )
 
     # --- connection restarts and shutdown ---------------------------------------------------
 
@@ -466,8 +430,7 @@ class ClaimGate:
         self.life.loop_started()
         if not self.life.ride_acks:
             return
-        channel = getattr(getattr(self.consumer, "task_consumer", None), "channel", None)
-        ride = BrokerRide.of(channel, self.runtime.manager.client)
+        ride = BrokerRide.of_consumer(self.consumer, self.runtime.manager.client)
         if ride is not None:
             ride.hook_append(self.claim_for, self.claimed)
             ride.hook_ack(self.life.take_ack)

@@ -55,11 +55,12 @@ from celery.utils.log import get_logger
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
 from celery_claims.fencing import TaskClaim
+from celery_claims.worker.compat import request_fields
+from celery_claims.worker.delivery.verdict import Verdict, record_done, recover
 from celery_claims.worker.policy import is_exempt
-from celery_claims.worker.recovery import Verdict, record_done, recover
-from celery_claims.worker.sender import ScriptCaller, ScriptSender, keep_calls, usable
 from celery_claims.worker.settings import ClaimsSettings
-from celery_claims.worker.store import new_manager
+from celery_claims.worker.transport.sender import ScriptCaller, ScriptSender, keep_calls, usable
+from celery_claims.worker.transport.store import new_manager
 
 __all__ = [
     "REQUEST_KEY",
@@ -379,7 +380,7 @@ def records_left_to_worker(request: Any) -> bool:
     """True if the pool process that runs ``request`` (a worker ``Request``) leaves its
     completion record to the worker, when its lease cannot have run out (and may have, if
     it could: the worker then writes it again, which is harmless)."""
-    fields = request.request_dict
+    fields = request_fields(request)
     return nothing_after_body(
         request.task,
         callbacks=fields.get("callbacks"),

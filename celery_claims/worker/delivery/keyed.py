@@ -41,6 +41,7 @@ from celery_claims.claims.keys import keyed_owner, owner_task_key
 from celery_claims.config import KEY_CONFLICTS, KeyFunction, parse_key_declaration, setting
 from celery_claims.errors import InvalidArgument, KeyRefused
 from celery_claims.validation import MAX_ID_BYTES
+from celery_claims.worker.compat import request_fields
 from celery_claims.worker.settings import ClaimsSettings
 
 __all__ = [
@@ -293,7 +294,7 @@ class KeySpecs:
         if len(task_key.encode("utf-8")) * 3 + owner_len + 32 > MAX_ID_BYTES:
             # the owner carries the task key: a huge task id cannot be named in it
             raise KeyRefused(spec.task_name, "the task id is too long for a keyed claim")
-        reschedules = request.request_dict.get(RESCHEDULES_HEADER) or 0
+        reschedules = request_fields(request).get(RESCHEDULES_HEADER) or 0
         return KeyedClaim(
             spec=spec,
             queue=queue,

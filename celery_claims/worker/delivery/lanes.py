@@ -70,8 +70,9 @@ from celery_claims.lanes.model import (
 )
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.worker import signals
-from celery_claims.worker.keyed import key_text, signature_of
+from celery_claims.worker.delivery.keyed import key_text, signature_of
 from celery_claims.worker.settings import ClaimsSettings, LaneSpec
+from celery_claims.worker.transport.loop import on_loop_soon
 
 __all__ = ["Lane", "LaneSlot", "LaneWaiter", "Ticket", "WorkerLaneView", "WorkerLanes"]
 
@@ -118,7 +119,7 @@ class LaneWaiter:
 
     Attributes:
         request: the worker's ``Request``.
-        claim: its :class:`~celery_claims.worker.lifecycle.Copy`.
+        claim: its :class:`~celery_claims.worker.delivery.lifecycle.Copy`.
         since: when it started waiting (``time.monotonic()``).
         held: its prefetch slot was given back (the lane was full on a pass).
         ticket: the ticket it will claim, once it is among the first ``limit`` waiting.
@@ -240,7 +241,7 @@ class WorkerLanes:
         self.dispatch: Callable[[Any, LaneSlot], None] | None = None
         #: the worker's prefetch slot ledger (``lifecycle.SlotLedger``), set by the lifecycle
         self.slots: Any = None
-        #: the lifecycle's :class:`~celery_claims.worker.compat.LoopWaker` (set by it)
+        #: the lifecycle's :class:`~celery_claims.worker.transport.loop.LoopWaker` (set by it)
         self.waker: Any = None
 
     @staticmethod
@@ -497,14 +498,7 @@ class WorkerLanes:
         if consumer is None or lane.soon:
             return
         lane.soon = True
-        hub = getattr(consumer, "hub", None)
-        if hub is not None and self.waker is not None:
-            # thread-safe; the waker wakes the loop if it sleeps in poll (kombu before 5.7)
-            self.waker.call_soon(consumer, self._soon_pass, lane, why)
-        elif hub is not None:
-            hub.call_soon(self._soon_pass, lane, why)
-        else:
-            consumer.timer.call_after(0, self._soon_pass, (lane, why), priority=6)
+        on_loop_soon(consumer, self.waker, self._soon_pass, lane, why)
 
     def _soon_pass(self, lane: Lane, why: str) -> None:
         lane.soon = False

@@ -1,8 +1,8 @@
 """The consumer's own connection to a claim store that is not the broker's server.
 
 Where the claim store is the Redis broker's own server, claims and completions ride kombu's
-round trips (:class:`~celery_claims.worker.compat.BrokerRide`). Elsewhere (a RabbitMQ broker,
-or a Redis broker with a store of its own) the gate claims each message on this connection,
+round trips (:class:`~celery_claims.worker.transport.broker.BrokerRide`). Elsewhere (a RabbitMQ
+broker, or a Redis broker with a store of its own) the gate claims each message on this connection,
 without blocking the consumer's event loop:
 
 - a claim (or the record before an ack) is deferred (:meth:`StorePipe.defer`) and the gate

@@ -5,12 +5,12 @@ because the solo pool runs tasks inside the event loop, which would stop a timer
 exactly while a long task needs its lease renewed. Each beat it:
 
 0. on a Sentinel-managed store, asks the Sentinels for the master and follows it when it
-   moved (:mod:`celery_claims.worker.failover`): the renewals go to the new master, a claim
-   it never saw is claimed again there, and after the renewals the completion records the old
+   moved (:mod:`celery_claims.worker.transport.failover`): the renewals go to the new master, a
+   claim it never saw is claimed again there, and after the renewals the completion records the old
    master may have taken are written again on the new one;
 1. renews every live claim with one ``renew`` round trip per (queue, lease); a refused
    renewal goes to the lifecycle, which finds out whose the task is now
-   (:mod:`celery_claims.worker.recovery`) and stops the copy only if another one owns it;
+   (:mod:`celery_claims.worker.delivery.verdict`) and stops the copy only if another one owns it;
 2. renews the lane slots of running tasks;
 3. retries completions the claim store could not take;
 4. gives up copies the pool has not started within ``claims_start_timeout_ms``, and stops
@@ -18,17 +18,18 @@ exactly while a long task needs its lease renewed. Each beat it:
 5. with the Redis broker, refreshes the score of every claimed or held delivery in kombu's
    ``unacked_index``, so kombu does not restore a message whose holder is alive (a dead
    holder stops refreshing, and its message is restored after ``visibility_timeout``);
-6. calls the publish journal's hook (:meth:`~celery_claims.worker.journal.WorkerJournal.beat`:
-   clears the entries of acked messages, starts a recovery scan when one is due).
+6. calls the publish journal's hook
+   (:meth:`~celery_claims.worker.publish.clearing.WorkerJournal.beat`: clears the entries of acked
+   messages, starts a recovery scan when one is due).
 7. once per lane lease, purges the lane tickets of workers that are gone
-   (:meth:`~celery_claims.worker.lanes.WorkerLanes.purge_due`).
+   (:meth:`~celery_claims.worker.delivery.lanes.WorkerLanes.purge_due`).
 
 Between two beats the keeper also wakes for claims whose own lease (a per-task
 ``claims_lease_ms``) is too short for its period: such a claim is renewed every quarter of its
 lease (:meth:`~celery_claims.worker.settings.ClaimsSettings.renew_interval_for`), and a wake
 renews, in the same batches, every claim past half of its own period.
 
-Every decision about a copy is the lifecycle's (:mod:`celery_claims.worker.lifecycle`); the
+Every decision about a copy is the lifecycle's (:mod:`celery_claims.worker.delivery.lifecycle`); the
 keeper only asks the store and reports.
 """
 
@@ -42,10 +43,11 @@ from collections import defaultdict
 from celery.utils.log import get_logger
 
 from celery_claims.errors import BackendUnavailable
-from celery_claims.worker.compat import refresh_unacked
-from celery_claims.worker.failover import MasterWatch
-from celery_claims.worker.lifecycle import Copy, State
+from celery_claims.worker.delivery.copy import Copy
+from celery_claims.worker.delivery.state import State
 from celery_claims.worker.runtime import ClaimsRuntime
+from celery_claims.worker.transport.broker import refresh_unacked
+from celery_claims.worker.transport.failover import MasterWatch
 
 __all__ = ["STOP_GRACE_S", "Keeper"]
 

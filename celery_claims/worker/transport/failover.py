@@ -14,8 +14,8 @@ beat, Sentinel-managed stores only):
    (:func:`~celery_claims.connection.sentinel_master`). When the master has moved, the claim
    manager's pool drops its connections to the old one, so the renewals go to the new master
    at once; a claim the new master never saw is refused there and claimed again under the
-   same owner by the lifecycle's recovery (:mod:`celery_claims.worker.recovery`), so the task
-   keeps running: a claim that vanished in a failover never stops it.
+   same owner by the lifecycle's recovery (:mod:`celery_claims.worker.delivery.verdict`), so the
+   task keeps running: a claim that vanished in a failover never stops it.
 2. After the renewals it writes again on the new master the completion records of this
    worker's recent completions (:class:`RecentCompletions`, fed by the lifecycle whenever a
    copy ends recorded done): every completion learned of within the failover window before
@@ -46,7 +46,7 @@ from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import role_at, sentinel_down_after_ms, sentinel_master
 from celery_claims.errors import BackendError
 from celery_claims.model import ClaimToken
-from celery_claims.worker.recovery import Verdict, restore_records
+from celery_claims.worker.delivery.verdict import Verdict, restore_records
 from celery_claims.worker.signals import Counters
 
 __all__ = [

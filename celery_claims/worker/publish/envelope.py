@@ -1,0 +1,158 @@
+"""The envelope a journal entry keeps: a published message, enough to publish it again."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from kombu.serialization import dumps as serialize
+from kombu.utils import json
+
+from celery_claims.worker.identity import attempt_of, claim_task_id
+
+__all__ = ["Envelope"]
+
+#: Envelope format version.
+_VERSION = 1
+
+
+def _epoch_ms(value: Any) -> int | None:
+    """An ETA or expiry header (ISO 8601 string or datetime) in epoch ms; None if absent."""
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if not isinstance(value, datetime):
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return int(value.timestamp() * 1000)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One published message as the journal keeps it: what a re-publish needs.
+
+    Attributes:
+        task: the task name.
+        task_id: the Celery task id.
+        headers: the message headers (protocol 2: ``id``, ``retries``, ``eta``...).
+        body: the body, serialized with the message's own serializer.
+        content_type: the serializer's content type.
+        content_encoding: the serializer's content encoding.
+        exchange: the exchange it was published to.
+        routing_key: its routing key.
+        properties: the other publish properties (``correlation_id``, ``reply_to``,
+            ``priority``...).
+    """
+
+    task: str
+    task_id: str
+    headers: Mapping[str, Any]
+    body: bytes
+    content_type: str
+    content_encoding: str
+    exchange: str
+    routing_key: str
+    properties: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        body: Any,
+        serializer: str,
+        headers: Mapping[str, Any],
+        exchange: Any,
+        routing_key: Any,
+        properties: Mapping[str, Any] | None,
+    ) -> Envelope:
+        """The envelope of a message about to be published (``before_task_publish``).
+
+        Raises:
+            kombu.exceptions.EncodeError: the body cannot be serialized.
+            ValueError: the headers name no task or id (task protocol 1).
+        """
+        task, task_id = headers.get("task"), headers.get("id")
+        if not isinstance(task, str) or not isinstance(task_id, str) or not task_id:
+            raise ValueError("the message headers carry no task name and id (task protocol 1?)")
+        # the message's own serializer, as kombu's Producer would apply it (kombu is untyped)
+        content_type, content_encoding, data = serialize(  # type: ignore[no-untyped-call]
+            body, serializer=serializer
+        )
+        if isinstance(data, str):
+            data = data.encode(content_encoding or "utf-8")
+        return cls(
+            task=task,
+            task_id=task_id,
+            headers=dict(headers),
+            body=bytes(data),
+            content_type=content_type,
+            content_encoding=content_encoding,
+            exchange=str(getattr(exchange, "name", exchange) or ""),
+            routing_key=str(routing_key or ""),
+            properties=dict(properties or {}),
+        )
+
+    @property
+    def task_key(self) -> str:
+        """The claim store's task id of its attempt."""
+        return claim_task_id(self.task_id, attempt_of(self.headers))
+
+    @property
+    def eta_ms(self) -> int | None:
+        """Its ETA in epoch ms, or None."""
+        return _epoch_ms(self.headers.get("eta"))
+
+    def expired(self, now_ms: int) -> bool:
+        """True if its ``expires`` has passed at ``now_ms`` (Celery would drop it)."""
+        expires = _epoch_ms(self.headers.get("expires"))
+        return expires is not None and now_ms >= expires
+
+    def dumps(self) -> str:
+        """The envelope as the journal stores it (JSON, the body in base64)."""
+        return str(
+            json.dumps(  # type: ignore[no-untyped-call]  # kombu is untyped
+                {
+                    "v": _VERSION,
+                    "task": self.task,
+                    "id": self.task_id,
+                    "headers": dict(self.headers),
+                    "body": base64.b64encode(self.body).decode("ascii"),
+                    "content_type": self.content_type,
+                    "content_encoding": self.content_encoding,
+                    "exchange": self.exchange,
+                    "routing_key": self.routing_key,
+                    "properties": dict(self.properties),
+                }
+            )
+        )
+
+    @classmethod
+    def loads(cls, text: str) -> Envelope:
+        """The envelope :meth:`dumps` wrote.
+
+        Raises:
+            ValueError: not an envelope this version can read.
+        """
+        try:
+            raw = json.loads(text)  # type: ignore[no-untyped-call]  # kombu is untyped
+            if raw["v"] != _VERSION:
+                raise ValueError(f"journal envelope version {raw['v']!r}")
+            return cls(
+                task=str(raw["task"]),
+                task_id=str(raw["id"]),
+                headers=dict(raw["headers"]),
+                body=base64.b64decode(raw["body"]),
+                content_type=str(raw["content_type"]),
+                content_encoding=str(raw["content_encoding"]),
+                exchange=str(raw["exchange"]),
+                routing_key=str(raw["routing_key"]),
+                properties=dict(raw["properties"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"unreadable journal envelope: {exc!r}") from exc

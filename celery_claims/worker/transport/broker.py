@@ -1,0 +1,316 @@
+"""The Redis broker's deliveries, and the claim store's writes riding kombu's round trips.
+
+Every kombu Redis transport internal the delivery path touches is here: a delivery's tag and
+its record in ``unacked``/``unacked_index`` (:class:`Delivery`, :func:`refresh_unacked`), the
+local forget of a stale copy (:func:`forget_delivery`), and :class:`BrokerRide`, which
+replaces the QoS's ``append`` and ``ack`` on a channel's instance. Read in kombu 5.3 to 5.7
+(:data:`celery_claims.worker.compat.TESTED`); each degrades to the safe side when what it
+expects is missing (no refresh, no local forget: the broker then redelivers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis
+from celery.utils.log import get_logger
+from kombu.transport.virtual import QoS as VirtualQoS
+from kombu.utils import json
+
+from celery_claims.claims.redis import ScriptCall
+from celery_claims.connection import server_of
+from celery_claims.worker.compat import close_with
+from celery_claims.worker.transport.sender import ScriptCaller
+
+__all__ = [
+    "BrokerRide",
+    "Delivery",
+    "forget_delivery",
+    "refresh_unacked",
+    "shares_delivery_tags",
+    "store_is_broker",
+]
+
+logger = get_logger("celery_claims.worker")
+
+
+@dataclass(eq=False)
+class Delivery:
+    """A Redis broker delivery whose ``unacked_index`` score the keeper refreshes.
+
+    Attributes:
+        channel: the kombu Redis channel the message was delivered on.
+        tag: the delivery tag (the member of ``unacked_index``).
+    """
+
+    channel: Any
+    tag: str
+
+    @classmethod
+    def of(cls, message: Any) -> Delivery | None:
+        """The delivery of ``message`` if it came from kombu's Redis transport, else None."""
+        if not shares_delivery_tags(message):
+            return None
+        return cls(message.channel, str(message.delivery_tag))
+
+
+def shares_delivery_tags(message: Any) -> bool:
+    """True if ``message`` came from kombu's Redis transport.
+
+    There a restored message keeps its delivery tag, and every worker's copy of it is one
+    record in ``unacked``/``unacked_index``: acking any copy deletes the record of all of
+    them. AMQP channels number their own deliveries instead.
+    """
+    channel = getattr(message, "channel", None)
+    # duck-typed: kombu's Redis channel is the one with an unacked index and a client factory
+    return (
+        getattr(message, "delivery_tag", None) is not None
+        and hasattr(channel, "unacked_index_key")
+        and callable(getattr(channel, "conn_or_acquire", None))
+    )
+
+
+def refresh_unacked(deliveries: Iterable[Delivery]) -> int:
+    """Set the ``unacked_index`` score of each delivery to now; returns how many were sent.
+
+    ``ZADD ... XX`` never re-adds a delivery that was acked or restored meanwhile.
+
+    Raises:
+        Exception: whatever the broker client raises (the caller logs it).
+    """
+    by_channel: dict[int, tuple[Any, list[str]]] = {}
+    for delivery in deliveries:
+        by_channel.setdefault(id(delivery.channel), (delivery.channel, []))[1].append(delivery.tag)
+    now = time.time()
+    sent = 0
+    for channel, tags in by_channel.values():
+        with channel.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            for tag in tags:
+                pipe.zadd(channel.unacked_index_key, {tag: now}, xx=True)
+            pipe.execute()
+        sent += len(tags)
+    return sent
+
+
+def forget_delivery(request: Any) -> bool:
+    """Let a Redis delivery go in this worker only, leaving the broker's record alone.
+
+    For a stale copy on the Redis broker: its record in ``unacked`` is the same record as the
+    live owner's copy (same delivery tag), so acking it would delete the live one. This drops
+    the message from the channel's in-memory QoS (its prefetch slot frees, and it is not
+    restored at shutdown) and marks it settled for Celery and kombu, without a command to
+    Redis. Returns False (and changes nothing) where the message is not a Redis delivery.
+    """
+    message: Any = getattr(request, "message", None)
+    if not shares_delivery_tags(message):
+        return False
+    qos = getattr(message.channel, "qos", None)
+    if isinstance(qos, VirtualQoS):
+        # the base class's ack only forgets the tag locally; the Redis QoS's own ack would
+        # also remove it from unacked/unacked_index, which is exactly what must not happen
+        local_ack: Any = VirtualQoS.ack
+        local_ack(qos, message.delivery_tag)
+    with contextlib.suppress(AttributeError):
+        message._state = "ACK"
+    request.acknowledged = True
+    return True
+
+
+def _broker_server(conn: Any) -> tuple[Any, ...] | None:
+    """(host, port, unix path, database) of a kombu Redis connection, read from its URL."""
+    if conn.transport_cls not in ("redis", "rediss"):
+        return None  # Sentinel (its master moves), or not Redis at all
+    host = str(conn.hostname or "")
+    if "://" in host:
+        # redis+socket:///path?virtual_host=N: kombu keeps "socket:///path?..." as the host
+        parts = urlsplit(host)
+        query = parse_qs(parts.query)
+        db = (query.get("virtual_host") or query.get("db") or ["0"])[-1]
+        return (None, None, unquote(parts.path), int(db.strip("/") or 0))
+    vhost = str(conn.virtual_host or "").strip("/") or "0"
+    return (host or "127.0.0.1", conn.port or 6379, None, int(vhost))
+
+
+def store_is_broker(app: Any, store_client: Any) -> bool:
+    """True if ``app``'s broker is kombu's Redis transport on the claim store's server and db.
+
+    Read from the broker URL, without connecting; :meth:`BrokerRide.of` checks each channel
+    again (a False here only costs speed: the record is then written on its own).
+    """
+    store = server_of(store_client)
+    if store is None:
+        return False
+    try:
+        broker = _broker_server(app.connection_for_write())
+    except Exception:  # an unreadable broker URL: Celery reports it, not this check
+        return False
+    return broker == store
+
+
+@dataclass(eq=False)
+class BrokerRide:
+    """The claim store's writes riding kombu's own round trips on the Redis broker.
+
+    Where the claim store is the broker's server and database, kombu's Redis ``QoS`` writes
+    each delivery to ``unacked``/``unacked_index`` when it delivers the message (``append``,
+    one MULTI/EXEC) and removes it when the message is acked (``ack``, another). The claim is
+    sent in the first transaction and the completion record replaces the second (one script
+    that removes the delivery only when the record is the copy's own), so claims cost no
+    round trip of their own. The QoS methods are replaced on the channel's instance only
+    (checked on kombu 5.3 to 5.7, whose ``append`` and ``ack`` are written the same way).
+    The append transaction goes on a connection kept for it, made from the channel's pool
+    (:meth:`~celery_claims.worker.transport.sender.ScriptCaller.transaction`), where the pool is a
+    standalone server's; after a timeout or a dropped connection, and on other pools, it goes
+    through kombu's pipeline, with redis-py's retries.
+
+    Attributes:
+        qos: the channel's kombu Redis ``QoS``.
+        keys: kombu's ``unacked_index`` and ``unacked`` keys, with the transport's
+            ``global_keyprefix``.
+        prefixed: the transport prefixes keys (``global_keyprefix``): kombu's pipeline would
+            prefix a script's first key only, so claims cannot ride its ``append``.
+    """
+
+    qos: Any
+    keys: tuple[str, str]
+    prefixed: bool
+
+    #: Attributes of a QoS whose ``ack`` / ``append`` consult a hook.
+    ACK_HOOK = "_celery_claims_ack_hook"
+    #: Attribute of a channel caching its ride: (store client, ride or None).
+    CACHED = "_celery_claims_ride"
+    APPEND_HOOK = "_celery_claims_append_hook"
+
+    @classmethod
+    def of_consumer(cls, consumer: Any, store_client: Any) -> BrokerRide | None:
+        """The ride of a Celery consumer's task channel (``consumer.task_consumer.channel``)."""
+        channel = getattr(getattr(consumer, "task_consumer", None), "channel", None)
+        return cls.of(channel, store_client)
+
+    @classmethod
+    def of(cls, channel: Any, store_client: Any) -> BrokerRide | None:
+        """The ride on ``channel``, if its deliveries can be written by the claim store's
+        scripts: kombu's Redis transport, a client of the same server and database as
+        ``store_client``, and the QoS this module knows. None otherwise (claims and
+        completions are then sent on their own)."""
+        cached = getattr(channel, cls.CACHED, None)
+        if cached is not None and cached[0] is store_client:
+            return cached[1]  # type: ignore[no-any-return]
+        ride = cls._of(channel, store_client)
+        with contextlib.suppress(AttributeError):
+            setattr(channel, cls.CACHED, (store_client, ride))
+        return ride
+
+    @classmethod
+    def _of(cls, channel: Any, store_client: Any) -> BrokerRide | None:
+        qos = getattr(channel, "qos", None)
+        server = server_of(getattr(channel, "client", None))
+        if (
+            not hasattr(channel, "unacked_index_key")
+            or server is None
+            or server != server_of(store_client)
+            or not isinstance(qos, VirtualQoS)
+            or not callable(getattr(type(qos), "_remove_from_indices", None))
+            or not callable(getattr(qos, "pipe_or_acquire", None))
+        ):
+            return None
+        prefix = str(getattr(channel, "global_keyprefix", "") or "")
+        keys = (prefix + channel.unacked_index_key, prefix + channel.unacked_key)
+        return cls(qos, keys, bool(prefix))
+
+    def hook_ack(self, take: Callable[[Any], bool]) -> None:
+        """Route the QoS's acks through ``take(tag)`` (idempotent, per channel).
+
+        ``take`` returns True when it settled the delivery itself (its script removed it, or
+        it chose to leave it); False lets kombu's own ack run.
+        """
+        qos = self.qos
+        if getattr(qos, self.ACK_HOOK, None) == take:
+            return
+        kombu_ack = type(qos).ack
+
+        def ack(delivery_tag: Any) -> None:
+            if not take(delivery_tag):
+                kombu_ack(qos, delivery_tag)
+
+        qos.ack = ack  # an instance attribute: kombu's Channel.basic_ack calls self.qos.ack
+        setattr(qos, self.ACK_HOOK, take)
+
+    def hook_append(
+        self,
+        claim_for: Callable[[Any], ScriptCall[Any] | None],
+        claimed: Callable[[Any, Any], None],
+    ) -> bool:
+        """Send ``claim_for(message)``'s call in kombu's append transaction (per channel).
+
+        ``claimed(message, reply)`` gets the script's raw reply, or the error it ended with,
+        before kombu hands the message on; a None call sends kombu's append as it is. False
+        (nothing hooked) where the transport prefixes keys.
+        """
+        qos = self.qos
+        if self.prefixed:
+            return False
+        if getattr(qos, self.APPEND_HOOK, None) == claim_for:
+            return True
+        kombu_append = type(qos).append
+        index_key, unacked_key = qos.unacked_index_key, qos.unacked_key
+        channel = qos.channel
+        caller = ScriptCaller()
+        close_with(channel, caller.close)  # its connections go with the channel's
+
+        def append(message: Any, delivery_tag: Any) -> None:
+            call = claim_for(message)
+            if call is None:
+                kombu_append(qos, message, delivery_tag)
+                return
+            # kombu's append (kombu/transport/redis.py, QoS.append), and the claim
+            delivery = message.delivery_info
+            dumps: Any = json.dumps
+            raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+            score = repr(time.time())  # as redis-py writes a float
+            replies = None
+            pool = channel.pool
+            if type(pool) is redis.ConnectionPool:
+                # on a connection kept for it, made from the channel's own pool (kombu's
+                # settings): a third of the CPU of kombu's pipeline, which builds a client
+                # per call (docs/benchmarks.md)
+                commands = [("ZADD", index_key, score, delivery_tag)]
+                commands.append(("HSET", unacked_key, delivery_tag, raw))
+                try:
+                    replies = caller.transaction(pool, commands, call)
+                except (redis.ConnectionError, redis.TimeoutError):
+                    # run or not: kombu's own transaction, with redis-py's retries (every
+                    # write in it may run twice: the claim's owner claims again)
+                    replies = None
+            if replies is None:
+                with qos.pipe_or_acquire() as pipe:
+                    pipe.zadd(index_key, {delivery_tag: float(score)})
+                    pipe.hset(unacked_key, delivery_tag, raw)
+                    pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+                    replies = pipe.execute(raise_on_error=False)
+            for reply in replies[:2]:
+                if isinstance(reply, Exception):
+                    raise reply  # kombu's own write failed: as kombu's append would
+            local_append: Any = VirtualQoS.append
+            local_append(qos, message, delivery_tag)
+            claimed(message, replies[2])
+
+        qos.append = append
+        setattr(qos, self.APPEND_HOOK, claim_for)
+        return True
+
+    def forget(self, tag: Any) -> None:
+        """Drop ``tag`` from the channel's in-memory QoS only (its record is gone already)."""
+        local_ack: Any = VirtualQoS.ack
+        local_ack(self.qos, tag)
+
+    def ack(self, tag: Any) -> None:
+        """kombu's own ack of ``tag`` (removes its record, then forgets it)."""
+        kombu_ack: Any = type(self.qos).ack
+        kombu_ack(self.qos, tag)

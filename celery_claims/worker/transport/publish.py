@@ -1,0 +1,119 @@
+"""The publish journal's write riding kombu's own ``LPUSH`` on the Redis broker.
+
+Replaces a producer channel's ``_put`` on its instance (kombu's Redis ``Channel._put``); read
+in kombu 5.3 to 5.7 (:data:`celery_claims.worker.compat.TESTED`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from celery.utils.log import get_logger
+from kombu.utils import json
+
+from celery_claims.claims.redis import ScriptCall
+from celery_claims.connection import server_of
+from celery_claims.worker.compat import close_with
+from celery_claims.worker.transport.sender import ScriptCaller
+
+__all__ = ["PublishRide", "PublishRideFn"]
+
+logger = get_logger("celery_claims.worker")
+
+
+#: ``ride(queue, list_key, payload)``: the journal write to send with a publish to ``queue``'s
+#: list ``list_key`` of ``payload`` (kombu's serialized message), or None (kombu publishes it
+#: alone); ``rode()`` is told once such a call was taken.
+PublishRideFn = Callable[[str, str, str], "ScriptCall[Any] | None"]
+
+
+class PublishRide:
+    """The publish journal's write riding kombu's own ``LPUSH`` on the Redis broker.
+
+    Where the claim store is the broker's server and database, a producer channel's
+    ``_put`` (kombu's Redis ``Channel._put``: one ``LPUSH`` of the serialized message to the
+    queue's list, by priority) is replaced, on the channel's instance, by one script that
+    pushes the same payload to the same list and writes the journal entry
+    (``journal_put.lua`` with the list key): the journal costs no write and no round trip of
+    its own, and the message is never in the queue unjournaled. What kombu's ``_put`` does
+    besides (kombu 5.7's publish batches, queues with an expiry) and a channel whose
+    transport prefixes keys get kombu's own ``_put``, and the journal writes on its own. The
+    script goes on a connection the ride keeps, made from the channel's pool (``pool``).
+    Read in kombu 5.3 to 5.7 (``kombu/transport/redis.py``).
+    """
+
+    #: Attribute of a channel caching its ride: (store client, hooked or not).
+    CACHED = "_celery_claims_publish_ride"
+
+    @classmethod
+    def hook(
+        cls,
+        channel: Any,
+        store_client: Any,
+        ride: PublishRideFn,
+        rode: Callable[[], object],
+    ) -> bool:
+        """Replace ``channel._put`` (idempotent per channel and store client); False where
+        the channel cannot carry the journal (not kombu's Redis channel, another server,
+        prefixed keys)."""
+        cached = getattr(channel, cls.CACHED, None)
+        if cached is not None and cached[0] is store_client:
+            return bool(cached[1])
+        hooked = cls._hook(channel, store_client, ride, rode)
+        with contextlib.suppress(AttributeError):
+            setattr(channel, cls.CACHED, (store_client, hooked))
+        return hooked
+
+    @staticmethod
+    def _hook(
+        channel: Any, store_client: Any, ride: PublishRideFn, rode: Callable[[], object]
+    ) -> bool:
+        kombu_put = getattr(type(channel), "_put", None)
+        if (
+            kombu_put is None
+            or bool(getattr(channel, "global_keyprefix", None))
+            or not all(
+                callable(getattr(channel, name, None))
+                for name in ("_q_for_pri", "_get_message_priority", "conn_or_acquire")
+            )
+        ):
+            return False
+        try:
+            server = server_of(channel.client)
+        except Exception:  # not a Redis channel after all
+            return False
+        if server is None or server != server_of(store_client):
+            return False
+
+        caller = ScriptCaller()
+        close_with(channel, caller.close)  # its connections go with the channel's
+
+        def _put(queue: Any, message: Any, **kwargs: Any) -> Any:
+            expires = getattr(channel, "_expires", None)
+            if kwargs.get("_publish_batch") is None and not (expires and queue in expires):
+                priority = channel._get_message_priority(message, reverse=False)
+                list_key = channel._q_for_pri(queue, priority)
+                dumps: Any = json.dumps
+                payload = dumps(message)
+                call = ride(str(queue), str(list_key), payload)
+                if call is not None:
+                    # kombu's _put, and the journal entry, in one script: on a connection
+                    # made from the channel's own pool (kombu's settings), kept for the
+                    # ride, where the pool is a standalone server's (the CPU of a call
+                    # through a client is 3 times a kept connection's, docs/benchmarks.md);
+                    # a connection error is redis-py's, for kombu's publish retry
+                    pool = channel.pool
+                    if type(pool) is redis.ConnectionPool:
+                        caller.call(pool, call)
+                    else:
+                        with channel.conn_or_acquire() as client:
+                            call.script(keys=call.keys, args=call.args, client=client)
+                    rode()
+                    return None
+            return kombu_put(channel, queue, message, **kwargs)
+
+        channel._put = _put  # an instance attribute: exchanges call channel._put
+        return True
