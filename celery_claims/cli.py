@@ -40,6 +40,8 @@ from celery_claims.observe.views import (
     list_views,
     mark_waiting,
     server_now_ms,
+    waiting_per_lane,
+    with_celery_lanes,
 )
 
 __all__ = ["EXIT_NOT_FOUND", "EXIT_UNAVAILABLE", "claims", "main"]
@@ -244,14 +246,16 @@ def stats(ctx: click.Context, top_keys: int, as_json: bool) -> None:
         manager = target.manager()
         now = server_now_ms(manager.client)
         per_queue = manager.queue_stats()
-        live = {q: len(list_views(manager, q, now)) for q in per_queue}
+        views = {q: list_views(manager, q, now) for q in per_queue}
+        live = {q: len(found) for q, found in views.items()}
+        limits = target.lane_limits()
         lanes = lane_occupancy(
-            manager.client,
-            manager.prefix,
-            now_ms=now,
-            limits=target.lane_limits(),
-            top_keys=top_keys,
+            manager.client, manager.prefix, now_ms=now, limits=limits, top_keys=top_keys
         )
+        # a Celery lane's waiting messages are claimed already: the journal tells them
+        claimed = [view for found in views.values() for view in found]
+        journals = Journal(manager.client, manager.prefix).read_many(v.task_id for v in claimed)
+        lanes = with_celery_lanes(lanes, limits, waiting_per_lane(claimed, journals))
     if as_json:
         _emit_json(render.stats_json(per_queue, live, lanes))
     else:
@@ -302,23 +306,19 @@ def key_command(ctx: click.Context, key: str, queues: tuple[str, ...], as_json: 
     with _errors(target):
         manager = target.manager()
         now = server_now_ms(manager.client)
-        views = find_key(manager, key, queues=list(queues) or None, now_ms=now)
+        looked_in = list(queues) or manager.known_queues()
+        views = find_key(manager, key, queues=looked_in, now_ms=now)
         lanes = lane_key_running(manager.client, manager.prefix, key, now_ms=now)
-        waiters = find_key_waiters(
-            manager, key, holders=views, queues=list(queues) or None, now_ms=now
-        )
+        waiters = find_key_waiters(manager, key, holders=views, queues=looked_in, now_ms=now)
     found = bool(views or lanes or waiters)
     if as_json:
-        _emit_json(render.key_json(key, now, views, lanes, waiters))
+        _emit_json(render.key_json(key, now, views, lanes, waiters, looked_in))
         if not found:
             sys.exit(EXIT_NOT_FOUND)
         return
     if not found:
-        _fail(
-            f"key {key!r} is free: no claim or lane slot holds it, it is not kept done, and "
-            f"nothing waits on it",
-            EXIT_NOT_FOUND,
-        )
+        # a name without a key's form (a task id, a bare value) is not called free
+        _fail(render.key_not_found(key, looked_in), EXIT_NOT_FOUND)
     click.echo(render.key_text(key, now, views, lanes, waiters))
 
 

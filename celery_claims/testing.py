@@ -50,7 +50,7 @@ from celery_claims.claims.memory import MemoryClaimManager
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.demo.runner import DemoError, private_redis
 from celery_claims.errors import ClaimError, InvalidArgument
-from celery_claims.model import AlreadyDone, ClaimToken, GivenUp
+from celery_claims.model import AlreadyClaimed, AlreadyDone, ClaimToken, GivenUp
 from celery_claims.worker import install, signals
 from celery_claims.worker.compat import close_result_backend
 from celery_claims.worker.identity import Attempt, claim_task_id
@@ -118,18 +118,21 @@ class SkippedCopy:
     Attributes:
         task_id: the Celery task id.
         task_name: the task's name.
-        reason: ``"done"`` (an earlier copy of the attempt completed) or ``"given_up"``
-            (a poison task, see ``claims_max_takeovers``).
-        claim_id: ``queue/task:retries:nesting``.
-        record: the :class:`~celery_claims.AlreadyDone` or :class:`~celery_claims.GivenUp`
-            record that decided it (who completed it, with which fencing number).
+        reason: why, a :class:`~celery_claims.observe.SkipReason` value (``"done"``: an
+            earlier copy of the attempt completed; ``"given_up"``: a poison task; the
+            ``key_*`` reasons of keyed tasks): :data:`~celery_claims.observe.SKIP_REASONS`.
+        claim_id: ``queue/task:retries:nesting`` (``queue/<key field>`` for a keyed task;
+            empty for ``key_refused``).
+        record: what decided it: the :class:`~celery_claims.AlreadyDone` record (who
+            completed it, with which fencing number), the :class:`~celery_claims.GivenUp`
+            record, the key holder's :class:`~celery_claims.AlreadyClaimed`, or ``None``.
     """
 
     task_id: str
     task_name: str
     reason: str
     claim_id: str
-    record: AlreadyDone | GivenUp | None
+    record: AlreadyDone | GivenUp | AlreadyClaimed | None
 
 
 @dataclass(frozen=True)

@@ -322,7 +322,8 @@ class DemoReport:
             report is read).
         namespace: the prefix of every key the run wrote.
         lane_limit: the lane's limit.
-        store_stats: the claim store's counters of the claims side's queue.
+        store_stats: the claim store's counters of the claims side's queue (JSON only: the
+            text report tells what happened in its own words).
         seconds: the run's duration.
         stopped: processes stopped at the end (workers and Redis).
     """
@@ -384,9 +385,8 @@ class DemoReport:
             lines.append(
                 f"Without claims, {plain.tasks['crash-1'].note or 'the killed task ran again'}."
             )
-        stats = ", ".join(f"{k} {v}" for k, v in self.store_stats.items())
+        # the claim store's counters stay in --json: every number printed here is explained
         lines += [
-            f"Claim store counters (with claims): {stats}",
             f"Lane: claims_lanes maps lane 'video' (limit {self.lane_limit}) onto the claims "
             "queue's demo.lane_job tasks; copies over the limit wait unacked, fleet-wide.",
             f"Stopped {self.stopped} processes: {self._stopped_what()}; "

@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any
 from celery_claims.observe.journal import (
     DEFAULT_JOURNAL_TTL_MS,
     JOURNAL_MAX_EVENTS,
+    SKIP_REASONS,
     Journal,
     JournalEvent,
+    SkipReason,
     journal_key,
 )
-from celery_claims.observe.render import describe_views, event_text
+from celery_claims.observe.render import SKIP_WORDING, describe_views, event_text
 from celery_claims.observe.views import (
     MAX_PROBED_NESTING,
     MAX_PROBED_RETRIES,
@@ -74,6 +76,8 @@ __all__ = [
     "Journal",
     "JournalEvent",
     "JournalWriter",
+    "SkipReason",
+    "SKIP_REASONS",
     "journal_key",
     "DEFAULT_JOURNAL_TTL_MS",
     "JOURNAL_MAX_EVENTS",
@@ -85,4 +89,5 @@ __all__ = [
     # rendering
     "describe_views",
     "event_text",
+    "SKIP_WORDING",
 ]

@@ -20,13 +20,20 @@ is also indexed under the key, so that ``celery claims key K`` finds what waits 
 they were held, capped at :data:`MAX_KEY_WAITERS` and expiring like a journal. The index is
 written only when a copy is held for a key, and a copy that then gets the key leaves it, so a
 key nobody waits on has none.
+
+:class:`SkipReason` is the vocabulary of the copies a worker acks without running: the
+``reason`` of the ``task_skipped`` signal and of the journal's ``skipped`` events.
 """
 
 from __future__ import annotations
 
+import enum
 import json
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from celery_claims.claims.keys import escape, require_prefix
@@ -40,8 +47,13 @@ __all__ = [
     "Journal",
     "MAX_KEY_WAITERS",
     "JournalEvent",
+    "SKIP_REASONS",
+    "SkipReason",
+    "SkipMeaning",
     "journal_key",
     "key_waiters_key",
+    "skip_reasons_reference",
+    "write_skip_reasons",
 ]
 
 #: Events kept per task id (the newest); a task redelivered more often than this is rare.
@@ -50,6 +62,109 @@ JOURNAL_MAX_EVENTS = 50
 DEFAULT_JOURNAL_TTL_MS = 24 * 3600 * 1000
 #: Task ids kept (the newest) in the index of the copies waiting on one key.
 MAX_KEY_WAITERS = 1000
+
+
+class SkipReason(str, enum.Enum):
+    """Why a worker acked a copy without running it.
+
+    The ``reason`` of the ``task_skipped`` signal, of the journal's ``skipped`` events and of
+    ``celery_claims.testing.SkippedCopy``. A ``str`` enum: each member equals its value, so
+    ``reason == "done"`` holds for ``SkipReason.DONE``. What each means is
+    :data:`SKIP_REASONS`; how ``celery claims inspect`` tells it,
+    :data:`celery_claims.observe.render.SKIP_WORDING`.
+    """
+
+    DONE = "done"
+    GIVEN_UP = "given_up"
+    KEY_HELD = "key_held"
+    KEY_RESCHEDULED = "key_rescheduled"
+    KEY_DONE = "key_done"
+    KEY_REFUSED = "key_refused"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class SkipMeaning:
+    """What one :class:`SkipReason` says happened.
+
+    Attributes:
+        when: when a worker acks a copy for this reason.
+        record: what ``task_skipped`` passes as ``record`` (and the kit's
+            ``SkippedCopy.record`` holds).
+    """
+
+    when: str
+    record: str
+
+
+#: Every skip reason, what it means and which record comes with it (docs/testing.md's list
+#: is made from this table: :func:`skip_reasons_reference`).
+SKIP_REASONS: Mapping[SkipReason, SkipMeaning] = MappingProxyType(
+    {
+        SkipReason.DONE: SkipMeaning(
+            "an earlier copy of the same attempt completed",
+            "the `AlreadyDone` record: who completed it, with which fencing number",
+        ),
+        SkipReason.GIVEN_UP: SkipMeaning(
+            "the attempt was given up as poison: taken over `claims_max_takeovers` times",
+            "the `GivenUp` record: the takeovers and the last holder",
+        ),
+        SkipReason.KEY_HELD: SkipMeaning(
+            'a keyed task (`claims_key_conflict = "skip"`) met its key held by another task '
+            "id; its result is stored as `REVOKED`",
+            "the holder's `AlreadyClaimed` (its `owner` names the holding task)",
+        ),
+        SkipReason.KEY_RESCHEDULED: SkipMeaning(
+            'a keyed task (`claims_key_conflict = "reschedule"`) met its key held by another '
+            "task id: published again with a countdown, this copy acked",
+            "the holder's `AlreadyClaimed`",
+        ),
+        SkipReason.KEY_DONE: SkipMeaning(
+            "a keyed task met its key done by another task id within `claims_key_done_ttl`; "
+            "its result is stored as `REVOKED`",
+            "the key's `AlreadyDone` record (its `owner` names the task that did it)",
+        ),
+        SkipReason.KEY_REFUSED: SkipMeaning(
+            "no key could be made from the message's arguments: recorded as failed with "
+            "`KeyRefused`, never run",
+            "`None` (the signal also passes `error`, the `KeyRefused`)",
+        ),
+    }
+)
+
+
+_BEGIN = "<!-- skip-reasons:begin (made from celery_claims/observe/journal.py; do not edit) -->"
+_END = "<!-- skip-reasons:end -->"
+
+
+def skip_reasons_reference() -> str:
+    """The Markdown table of :data:`SKIP_REASONS`, between its begin and end markers (the
+    section of docs/testing.md that lists them)."""
+    lines = [_BEGIN, "| `reason` | when | `record` |", "|---|---|---|"]
+    lines += [
+        f"| `{reason.value}` | {meaning.when} | {meaning.record} |"
+        for reason, meaning in SKIP_REASONS.items()
+    ]
+    lines.append(_END)
+    return "\n".join(lines)
+
+
+def write_skip_reasons(path: Path) -> bool:
+    """Replace the skip reasons' table in the Markdown file ``path``; True if it changed.
+
+    Raises:
+        InvalidArgument: the file has no begin and end markers.
+    """
+    text = path.read_text()
+    pattern = re.compile(re.escape(_BEGIN) + r".*?" + re.escape(_END), re.DOTALL)
+    if not pattern.search(text):
+        raise InvalidArgument("path", f"{path} has no skip-reasons markers")
+    new = pattern.sub(lambda _: skip_reasons_reference(), text)
+    if new != text:
+        path.write_text(new)
+    return new != text
 
 
 def journal_key(prefix: str, task_id: str) -> str:
@@ -84,15 +199,17 @@ class JournalEvent:
             attempt ended without success, its claim released: a later copy runs it again),
             or ``"acquired"`` (ran; with ``record_acquired``, or a keyed copy that was held
             got its key).
-        reason: for ``skipped``: ``"done"`` or ``"given_up"`` (a poison task); for ``held``:
+        reason: for ``skipped``: a :class:`SkipReason` value; for ``held``:
             ``"held"`` (another lease is live) or ``"unavailable"`` (the claim store was
             down); for ``waiting`` and ``lane_slot``: the lane; for ``released``: why (e.g.
             ``"failed (ValueError)"``, ``"revoked"``, ``"hard time limit"``); else empty.
         worker: the worker's node name.
-        claim_id: ``queue/task:retries:nesting``.
+        claim_id: ``queue/task:retries:nesting`` (a keyed task's copy: ``queue/<key field>``,
+            the key's claim; empty for ``key_refused``, which never had a claim).
         other: the other party: the holder (``held``), the completing owner (``skipped``, or
-            the last holder when given up), the previous owner (``took_over``), the key it
-            waits for (``waiting`` in a keyed lane); empty if unknown.
+            the last holder when given up; for a keyed skip the task id that held or did the
+            key, for ``key_refused`` the error), the previous owner (``took_over``), the key
+            it waits for (``waiting`` in a keyed lane); empty if unknown.
         instance: the fencing number involved (0 if none).
         key: for a keyed task's copy (``claims_key``) held while another task holds its key,
             or getting the key after it was held (``held``, ``acquired``, ``took_over``),

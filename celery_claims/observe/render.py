@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
+from types import MappingProxyType
 from typing import Any
 
 from celery_claims.model import ClaimStats
-from celery_claims.observe.journal import JournalEvent
-from celery_claims.observe.views import ClaimView, KeyWaiter, LaneOccupancy
+from celery_claims.observe.journal import JournalEvent, SkipReason
+from celery_claims.observe.views import ClaimView, KeyWaiter, LaneOccupancy, is_key_field
 
 __all__ = [
+    "SKIP_WORDING",
     "STAT_FIELDS",
     "claim_line",
     "describe_views",
@@ -23,11 +25,13 @@ __all__ = [
     "inspect_json",
     "inspect_text",
     "key_json",
+    "key_not_found",
     "key_text",
     "lanes_text",
     "list_json",
     "list_text",
     "seconds",
+    "skipped_text",
     "stats_json",
     "stats_text",
     "table",
@@ -68,19 +72,67 @@ def seconds(ms: int) -> str:
 
 # --- journal events -------------------------------------------------------------------------
 
+#: How ``inspect`` tells a copy a worker did not run, one wording per :class:`SkipReason` (a
+#: test fails when a reason has none, or two share one). Fields: ``worker``, ``other`` and
+#: ``instance`` of the journal event (:class:`JournalEvent`), and ``key``, the key's field of
+#: a keyed task's claim.
+SKIP_WORDING: Mapping[SkipReason, str] = MappingProxyType(
+    {
+        SkipReason.DONE: (
+            "copy acked without running on {worker}: already done by {other} (instance {instance})"
+        ),
+        SkipReason.GIVEN_UP: (
+            "copy acked without running on {worker}: the task was given up as poison (taken "
+            "over too often; last holder {other})"
+        ),
+        SkipReason.KEY_HELD: (
+            "copy acked without running on {worker}: task {other} held its key {key} "
+            "(claims_key_conflict skip); its result is stored as REVOKED"
+        ),
+        SkipReason.KEY_RESCHEDULED: (
+            "copy published again for later, then acked on {worker}: task {other} held its "
+            "key {key} (claims_key_conflict reschedule)"
+        ),
+        SkipReason.KEY_DONE: (
+            "copy acked without running on {worker}: its key {key} was done by task {other} "
+            "(instance {instance}) within claims_key_done_ttl; its result is stored as REVOKED"
+        ),
+        SkipReason.KEY_REFUSED: (
+            "message acked on {worker}, never run: no key could be made from its arguments "
+            "({other}); recorded as failed (KeyRefused)"
+        ),
+    }
+)
+
+
+#: Skips of a keyed task's copy that met another task's key (or could not make one): its own
+#: task id never had a claim nor a record, only the journal tells of it.
+_NO_CLAIM_OF_ITS_OWN = frozenset(
+    {SkipReason.KEY_HELD, SkipReason.KEY_RESCHEDULED, SkipReason.KEY_DONE, SkipReason.KEY_REFUSED}
+)
+
+
+def skipped_text(event: JournalEvent) -> str:
+    """The line of a ``skipped`` journal event: its reason's :data:`SKIP_WORDING`."""
+    try:
+        reason = SkipReason(event.reason)
+    except ValueError:
+        # written by a newer worker than this reader: say what is known
+        return (
+            f"copy acked without running on {event.worker}: {event.reason or 'no reason'} "
+            f"({event.other or '?'})"
+        )
+    # a keyed claim is `<queue>/<key field>`: the key is what follows the queue
+    key = event.claim_id.partition("/")[2] or "?"
+    return SKIP_WORDING[reason].format(
+        worker=event.worker, other=event.other or "?", instance=event.instance, key=key
+    )
+
 
 def event_text(event: JournalEvent) -> str:
     """One line for humans of what a journal event says."""
-    if event.event == "skipped" and event.reason == "given_up":
-        return (
-            f"copy acked without running on {event.worker}: the task was given up as "
-            f"poison (taken over too often; last holder {event.other})"
-        )
     if event.event == "skipped":
-        return (
-            f"copy acked without running on {event.worker}: already done by {event.other} "
-            f"(instance {event.instance})"
-        )
+        return skipped_text(event)
     if event.event == "held" and event.reason == "unavailable":
         return f"copy held unacked on {event.worker}: the claim store was unreachable"
     if event.event == "held":
@@ -182,6 +234,11 @@ def _without_claim(journal: Sequence[JournalEvent]) -> str:
     """What the journal says of a task the store has no claim or record of."""
     ended = [e for e in journal if e.event in ("released", "lease_lost", "skipped")]
     last = ended[-1] if ended else None
+    if last is not None and last.event == "skipped" and last.reason in _NO_CLAIM_OF_ITS_OWN:
+        return (
+            f"  no claim and no completion record of its own: its last copy was not run "
+            f"({last.reason}, on {last.worker} at {utc(last.at_ms)}; below)"
+        )
     if last is not None and last.event == "released":
         return (
             f"  no live claim and no completion record: the last attempt ended without success "
@@ -241,19 +298,18 @@ def stats_json(
 def lanes_text(lanes: Sequence[LaneOccupancy]) -> str:
     """The lane occupancy table of ``claims stats``."""
     if not lanes:
-        return "lanes: none in use"
+        return "lanes: none configured or in use"
     rows = [
         (
             lane.lane,
             lane.kind,
-            lane.active,
-            "-" if lane.limit is None else lane.limit,
+            f"{lane.active}/{'-' if lane.limit is None else lane.limit}",
             lane.waiting,
             ", ".join(f"{key}={count}" for key, count in lane.keys) or "-",
         )
         for lane in lanes
     ]
-    return table(("LANE", "KIND", "ACTIVE", "LIMIT", "WAITING", "TOP KEYS (RUNNING)"), rows)
+    return table(("LANE", "KIND", "ACTIVE/LIMIT", "WAITING", "TOP KEYS (RUNNING)"), rows)
 
 
 def stats_text(
@@ -305,16 +361,35 @@ def key_json(
     views: Sequence[ClaimView],
     lanes: Sequence[tuple[str, int]] = (),
     waiters: Sequence[KeyWaiter] = (),
+    queues: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """``claims key --json``: the key's claims, its running count in each keyed lane, and
-    the copies waiting on it."""
+    """``claims key --json``: the key's claims, its running count in each keyed lane, the
+    copies waiting on it, whether the name has a key's form, and the queues looked in."""
     return {
         "key": key,
+        "is_key": is_key_field(key),
+        "queues": list(queues),
         "now_ms": now_ms,
         "claims": [v.as_dict() for v in views],
         "lanes": [{"lane": lane, "running": running} for lane, running in lanes],
         "waiting": [w.as_dict() for w in waiters],
     }
+
+
+def key_not_found(key: str, queues: Sequence[str]) -> str:
+    """What ``claims key`` says when nothing holds or waits on ``key``: free if it has a
+    key's form, else that it is not a key; with the queues it looked in."""
+    where = f"looked in queue(s) {', '.join(queues)}" if queues else "no queue is known yet"
+    if not is_key_field(key):
+        return (
+            f"{key!r} is not a key: a key is `<task or namespace>[<key>]` (a keyed task's, as "
+            f"`claims list` shows it, e.g. \"tasks.sync['acme']\") or `<lane>[<key>]` (a keyed "
+            f"lane's); no claim, lane slot or waiting copy has it ({where})"
+        )
+    return (
+        f"key {key!r} is free: no claim or lane slot holds it, it is not kept done, and "
+        f"nothing waits on it ({where})"
+    )
 
 
 def waiter_line(waiter: KeyWaiter) -> str:

@@ -35,11 +35,14 @@ __all__ = [
     "find_claims",
     "find_key",
     "find_key_waiters",
+    "is_key_field",
     "lane_key_running",
     "lane_occupancy",
     "list_views",
     "mark_waiting",
     "server_now_ms",
+    "waiting_per_lane",
+    "with_celery_lanes",
 ]
 
 #: ``find_claims`` probes attempts ``<id>:0..N:0..M``: Celery's default ``max_retries`` is 3,
@@ -275,6 +278,14 @@ def find_claims(
     return views
 
 
+def is_key_field(name: str) -> bool:
+    """Whether ``name`` has the form of a key: ``<task or namespace>[<key>]`` (a keyed task's
+    claim, as ``celery claims list`` shows it in its ``KEY`` column) or ``<lane>[<key>]`` (a
+    keyed lane's). A task id or a bare key value has not."""
+    scope, bracket, rest = name.partition("[")
+    return bool(scope) and bool(bracket) and rest.endswith("]")
+
+
 def find_key(
     manager: RedisClaimManager,
     key: str,
@@ -327,21 +338,48 @@ def mark_waiting(
     """
     marked = []
     for view in views:
-        if view.state == "running":
-            last = None
-            for event in journals.get(view.task_id, ()):
-                if (
-                    event.event in ("waiting", "lane_slot")
-                    and event.claim_id == view.claim_id
-                    and event.instance == view.instance
-                ):
-                    last = event
-            if last is not None and last.event == "waiting":
-                # in a keyed lane the event names the key it waits for: `lane[key]`
-                lane = f"{last.reason}[{last.other}]" if last.other else last.reason
-                view = replace(view, state="waiting", lane=lane)
+        last = _waits_for_lane(view, journals)
+        if last is not None:
+            # in a keyed lane the event names the key it waits for: `lane[key]`
+            lane = f"{last.reason}[{last.other}]" if last.other else last.reason
+            view = replace(view, state="waiting", lane=lane)
         marked.append(view)
     return marked
+
+
+def _waits_for_lane(
+    view: ClaimView, journals: Mapping[str, Sequence[JournalEvent]]
+) -> JournalEvent | None:
+    """The ``waiting`` event of a live claim whose copy still waits for its lane, else None."""
+    if view.state != "running":
+        return None
+    last = None
+    for event in journals.get(view.task_id, ()):
+        if (
+            event.event in ("waiting", "lane_slot")
+            and event.claim_id == view.claim_id
+            and event.instance == view.instance
+        ):
+            last = event
+    return last if last is not None and last.event == "waiting" else None
+
+
+def waiting_per_lane(
+    views: Iterable[ClaimView], journals: Mapping[str, Sequence[JournalEvent]]
+) -> dict[str, int]:
+    """How many copies wait for a slot of each lane (the live claims :func:`mark_waiting`
+    marks, counted by lane name: a keyed lane's keys together).
+
+    Args:
+        views: the live claims (:func:`list_views`), not yet marked.
+        journals: task id -> its journal, oldest first.
+    """
+    counts: dict[str, int] = {}
+    for view in views:
+        event = _waits_for_lane(view, journals)
+        if event is not None:
+            counts[event.reason] = counts.get(event.reason, 0) + 1
+    return counts
 
 
 # --- what waits on a key ------------------------------------------------------------------
@@ -454,7 +492,9 @@ class LaneOccupancy:
         lane: the lane key.
         kind: the task kind.
         active: tasks processing with a live lease (using the lane's slots).
-        waiting: tasks pending or due for a retry.
+        waiting: for a Celery lane (``claims_lanes``, see :func:`with_celery_lanes`), the
+            messages claimed and waiting for a slot; for a lane of the lane store used
+            directly, its tasks pending or due for a retry.
         limit: the lane's limit if known (from the configuration), else ``None``.
         keys: in a keyed lane, the keys with the most live leases and their counts, most
             first (at most ``top_keys`` of :func:`lane_occupancy`); empty otherwise.
@@ -547,6 +587,40 @@ def lane_occupancy(
         )
         for (lane, kind), members, waiting in zip(found, live, counts[1::2], strict=True)
     ]
+
+
+def with_celery_lanes(
+    lanes: Sequence[LaneOccupancy], limits: Mapping[str, int], waiting: Mapping[str, int]
+) -> list[LaneOccupancy]:
+    """``lanes`` (from :func:`lane_occupancy`) with every lane of ``claims_lanes`` in it.
+
+    A Celery lane's slots are tickets of the lane store (one kind, named as the lane) that
+    workers give back and reuse: its pending records are idle tickets as often as waiting
+    messages, so its ``waiting`` is replaced by the copies the journal says wait for a slot
+    (:func:`waiting_per_lane`). A configured lane that never ran a task has no key in the
+    store: it is added, idle. Other lanes (the lane store used directly) are left as they are.
+
+    Args:
+        lanes: the store's occupancy.
+        limits: the configured lanes, name -> limit.
+        waiting: lane name -> copies waiting for a slot.
+
+    Returns:
+        Every lane, sorted by lane and kind.
+    """
+    rows = [
+        replace(lane, waiting=waiting.get(lane.lane, 0))
+        if lane.lane in limits and lane.kind == lane.lane
+        else lane
+        for lane in lanes
+    ]
+    seen = {(lane.lane, lane.kind) for lane in rows}
+    rows += [
+        LaneOccupancy(name, name, 0, waiting.get(name, 0), limit)
+        for name, limit in limits.items()
+        if (name, name) not in seen
+    ]
+    return sorted(rows, key=lambda lane: (lane.lane, lane.kind))
 
 
 def _top_keys(records: Sequence[Any], top: int) -> tuple[tuple[str, int], ...]:

@@ -120,6 +120,36 @@ def test_inspect_of_an_unknown_task_says_so_and_exits_1(live_fleet: LiveFleet) -
     assert "task 'no-such-task' is unknown to the claim store" in result.stderr
 
 
+def test_key_of_a_name_that_is_not_a_key_says_so_and_where_it_looked(
+    live_fleet: LiveFleet,
+) -> None:
+    # Given a fleet whose store knows queue cli and task live-1
+    # When the operator asks `claims key` about a task id, which is not a key
+    table = live_fleet.cli("key", "live-1")
+    data = json.loads(live_fleet.cli("key", "live-1", "--json").stdout)
+
+    # Then it says the name is not a key, what a key looks like and which queues it looked
+    # in, instead of calling it free
+    assert table.returncode == 1
+    assert table.stdout == ""
+    assert table.stderr.count("\n") == 1
+    assert "'live-1' is not a key" in table.stderr
+    assert "<task or namespace>[<key>]" in table.stderr
+    assert f"looked in queue(s) {QUEUE}" in table.stderr
+    assert "free" not in table.stderr
+    assert (data["is_key"], data["queues"], data["claims"]) == (False, [QUEUE], [])
+
+
+def test_key_of_a_key_nothing_holds_says_it_is_free_and_where_it_looked(
+    live_fleet: LiveFleet,
+) -> None:
+    result = live_fleet.cli("key", "demo.work['nobody']")
+
+    assert result.returncode == 1
+    assert "key \"demo.work['nobody']\" is free" in result.stderr
+    assert f"looked in queue(s) {QUEUE}" in result.stderr
+
+
 def test_cleanup_removes_expired_claims_and_reports_how_many(live_fleet: LiveFleet) -> None:
     # Given two claims whose leases have run out, under a prefix of their own
     prefix = f"{live_fleet.ns}x"

@@ -163,6 +163,10 @@ def test_the_demo_on_a_given_redis_deletes_every_key_it_wrote() -> None:
         assert "[demo" in result.stderr
         assert "\r" not in result.stderr
         assert "deleted every key starting with" in result.stdout
+        # and it says nothing it does not explain: the claim store's raw counters (attempts,
+        # successes, contentions) are in --json only
+        assert "attempts" not in result.stdout
+        assert "contentions" not in result.stdout
         assert client.keys("*") == [b"users-own-key"]
 
 

@@ -48,11 +48,15 @@ class Unrun:
         request = copy.request
         self.w.counters.incr("skipped_done" if reason == "done" else f"skipped_{reason}")
         logger.info(
-            "Skipped %s[%s]: claim %s %s; acked without running",
+            "Skipped %s[%s]: %s; acked without running",
             request.name,
             request.id,
-            copy.claim_id,
-            _skip_detail(record),
+            # a keyed skip names the key and the task that held (or did) it
+            f"key {copy.task_key} was done by task {_holder_task_id(record)} ({record.owner})"
+            if reason == "key_done"
+            else f"key {copy.task_key} {_skip_detail(record)}"
+            if reason == "key_held"
+            else f"claim {copy.claim_id} {_skip_detail(record)}",
         )
         # only the message goes: the result the first run stored stays as it is
         self._ack_unrun(
