@@ -2,9 +2,10 @@
 
 The default suite runs one short seeded run (about two and a half minutes). ``pytest -m soak``
 runs the long matrix: 10 seeds on the Redis broker with the claim store on a server of its own,
-10 with the claim store on the Redis broker itself (the default deployment), and 3 on RabbitMQ, with celery-claims and,
-as the reference, the same seeds on plain Celery; each run's line is appended to the file
-named by ``CHAOS_RESULTS`` (default ``chaos-results.txt`` in the working directory).
+10 with the claim store on the Redis broker itself (the default deployment), and 3 on
+RabbitMQ, with celery-claims and, as the reference, the same seeds on plain Celery; each run's
+line is appended to the file named by ``CHAOS_RESULTS`` (default ``chaos-results.txt`` in the
+working directory).
 """
 
 from __future__ import annotations
