@@ -29,7 +29,7 @@ from celery_claims.connection import connect
 from celery_claims.connection import describe as safe_url
 from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
 from celery_claims.observe import render
-from celery_claims.observe.journal import Journal
+from celery_claims.observe.history import History
 from celery_claims.observe.views import (
     DEFAULT_TOP_KEYS,
     find_claims,
@@ -220,9 +220,9 @@ def list_command(ctx: click.Context, queue: str | None, as_json: bool) -> None:
         queues = [queue] if queue else manager.known_queues()
         now = server_now_ms(manager.client)
         views = [view for q in queues for view in list_views(manager, q, now)]
-        # a copy waiting for its lane holds a live claim too: the journal tells them apart
-        journals = Journal(manager.client, manager.prefix).read_many(v.task_id for v in views)
-        views = mark_waiting(views, journals)
+        # a copy waiting for its lane holds a live claim too: the history tells them apart
+        histories = History(manager.client, manager.prefix).read_many(v.task_id for v in views)
+        views = mark_waiting(views, histories)
     if as_json:
         _emit_json(render.list_json(now, queues, views))
     else:
@@ -252,10 +252,10 @@ def stats(ctx: click.Context, top_keys: int, as_json: bool) -> None:
         lanes = lane_occupancy(
             manager.client, manager.prefix, now_ms=now, limits=limits, top_keys=top_keys
         )
-        # a Celery lane's waiting messages are claimed already: the journal tells them
+        # a Celery lane's waiting messages are claimed already: the history tells them
         claimed = [view for found in views.values() for view in found]
-        journals = Journal(manager.client, manager.prefix).read_many(v.task_id for v in claimed)
-        lanes = with_celery_lanes(lanes, limits, waiting_per_lane(claimed, journals))
+        histories = History(manager.client, manager.prefix).read_many(v.task_id for v in claimed)
+        lanes = with_celery_lanes(lanes, limits, waiting_per_lane(claimed, histories))
     if as_json:
         _emit_json(render.stats_json(per_queue, live, lanes))
     else:
@@ -274,21 +274,21 @@ def inspect(ctx: click.Context, task_id: str, queues: tuple[str, ...], as_json: 
         manager = target.manager()
         now = server_now_ms(manager.client)
         views = find_claims(manager, task_id, queues=list(queues) or None, now_ms=now)
-        journal = Journal(manager.client, manager.prefix).read(task_id)
-        views = mark_waiting(views, {task_id: journal})
-    found = bool(views or journal)
+        history = History(manager.client, manager.prefix).read(task_id)
+        views = mark_waiting(views, {task_id: history})
+    found = bool(views or history)
     if as_json:
-        _emit_json(render.inspect_json(task_id, now, views, journal))
+        _emit_json(render.inspect_json(task_id, now, views, history))
         if not found:
             sys.exit(EXIT_NOT_FOUND)
         return
     if not found:
         _fail(
             f"task {task_id!r} is unknown to the claim store: no claim, completion record or "
-            f"journal (never claimed, claimed under another prefix, or its records expired)",
+            f"history (never claimed, claimed under another prefix, or its records expired)",
             EXIT_NOT_FOUND,
         )
-    click.echo(render.inspect_text(task_id, now, views, journal))
+    click.echo(render.inspect_text(task_id, now, views, history))
 
 
 @claims.command(name="key")

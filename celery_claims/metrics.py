@@ -119,7 +119,7 @@ _WORKER_SINGLE: tuple[tuple[str, str, str], ...] = (
     ("celery_claims_held_rechecks", "Re-checks of held copies.", "rechecks"),
     (
         "celery_claims_events_dropped",
-        "Event journal entries dropped: its writer's queue was full, or the claim store stayed "
+        "Task history entries dropped: its writer's queue was full, or the claim store stayed "
         "away longer than its newest entries could be kept.",
         "events_dropped",
     ),

@@ -4,7 +4,7 @@ Each part sits between a begin and an end marker in its Markdown file and is mad
 module that holds its table; a test fails when a file differs from what the code makes:
 
 - docs/settings.md, the settings reference: :func:`celery_claims.config.reference`;
-- docs/testing.md, the skip reasons: :func:`celery_claims.observe.journal.skip_reasons_reference`.
+- docs/testing.md, the skip reasons: :func:`celery_claims.observe.history.skip_reasons_reference`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from celery_claims.config import write_reference
-from celery_claims.observe.journal import write_skip_reasons
+from celery_claims.observe.history import write_skip_reasons
 
 __all__ = ["PARTS", "main"]
 

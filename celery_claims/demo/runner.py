@@ -3,7 +3,7 @@
 Both fleets run the same app (:mod:`celery_claims.demo.app`) on the same Redis, on their own
 queues: one as plain Celery, one with ``celery_claims.install(app)``. The runner sends the
 same tasks to both, SIGKILLs a worker mid-task on each side, and reads what happened from the
-execution log the tasks write, the claim store and the journal. Everything it starts runs in
+execution log the tasks write, the claim store and the tasks' history. Everything it starts runs in
 its own process group and is killed at the end, whatever happens; a private Redis's directory
 is removed, and on a Redis given with ``--redis-url`` every key of the run (they all start with
 the run's namespace) is deleted.
@@ -33,7 +33,7 @@ import redis
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import describe
 from celery_claims.errors import ClaimError, InvalidArgument
-from celery_claims.observe.journal import Journal
+from celery_claims.observe.history import History
 from celery_claims.observe.render import event_text
 
 __all__ = [
@@ -277,7 +277,7 @@ class TaskResult:
         ends: executions that finished.
         workers: the worker of each start, in order.
         killed: executions that were running on the worker the demo killed.
-        copies: journal lines: copies not run, and why (claims side only).
+        copies: history lines: copies not run, and why (claims side only).
         note: a remark (takeover time and fencing numbers, killed worker).
     """
 
@@ -367,7 +367,7 @@ class DemoReport:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
             if index == 0:
                 lines.append("  ".join("-" * w for w in widths))
-        lines += ["", "With claims, copies that were not run, and why (from the journal):"]
+        lines += ["", "With claims, copies that were not run, and why (from their history):"]
         any_copy = False
         for name, task in claims.tasks.items():
             for copy in task.copies:
@@ -651,7 +651,7 @@ class _Run:
         self.tick("collecting the report")
         events = _events(self.client, self.ns)
         manager = RedisClaimManager(client=self.client, prefix=self.ns)
-        journal = Journal(self.client, self.ns)
+        history = History(self.client, self.ns)
         sides: dict[str, SideResult] = {}
         for side in SIDES:
             result = SideResult(side, lane_peak=_peak(events, side), killed=killed.get(side, ""))
@@ -676,9 +676,9 @@ class _Run:
                 )
                 if side == "claims":
                     task.copies = [
-                        event_text(e) for e in journal.read(tid) if e.event in ("held", "skipped")
+                        event_text(e) for e in history.read(tid) if e.event in ("held", "skipped")
                     ]
-                    takeovers = [e for e in journal.read(tid) if e.event == "took_over"]
+                    takeovers = [e for e in history.read(tid) if e.event == "took_over"]
                     if takeovers:
                         t = takeovers[-1]
                         task.note = (

@@ -1,6 +1,6 @@
-"""Rendering: the text and JSON that ``celery claims`` prints of the reading views and journal.
+"""Rendering: the text and JSON that ``celery claims`` prints of the reading views and history.
 
-Pure functions of :mod:`celery_claims.observe.views` and :mod:`celery_claims.observe.journal`
+Pure functions of :mod:`celery_claims.observe.views` and :mod:`celery_claims.observe.history`
 values: nothing here reads the store, so the CLI is command wiring only and every line an
 operator sees is spelled in this one module.
 """
@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from celery_claims.model import ClaimStats
-from celery_claims.observe.journal import JournalEvent, SkipReason
+from celery_claims.observe.history import HistoryEvent, SkipReason
 from celery_claims.observe.views import ClaimView, KeyWaiter, LaneOccupancy, is_key_field
 
 __all__ = [
@@ -70,11 +70,11 @@ def seconds(ms: int) -> str:
     return f"{ms / 1000:.1f}s"
 
 
-# --- journal events -------------------------------------------------------------------------
+# --- history events -------------------------------------------------------------------------
 
 #: How ``inspect`` tells a copy a worker did not run, one wording per :class:`SkipReason` (a
 #: test fails when a reason has none, or two share one). Fields: ``worker``, ``other`` and
-#: ``instance`` of the journal event (:class:`JournalEvent`), and ``key``, the key's field of
+#: ``instance`` of the history event (:class:`HistoryEvent`), and ``key``, the key's field of
 #: a keyed task's claim.
 SKIP_WORDING: Mapping[SkipReason, str] = MappingProxyType(
     {
@@ -106,14 +106,14 @@ SKIP_WORDING: Mapping[SkipReason, str] = MappingProxyType(
 
 
 #: Skips of a keyed task's copy that met another task's key (or could not make one): its own
-#: task id never had a claim nor a record, only the journal tells of it.
+#: task id never had a claim nor a record, only the history tells of it.
 _NO_CLAIM_OF_ITS_OWN = frozenset(
     {SkipReason.KEY_HELD, SkipReason.KEY_RESCHEDULED, SkipReason.KEY_DONE, SkipReason.KEY_REFUSED}
 )
 
 
-def skipped_text(event: JournalEvent) -> str:
-    """The line of a ``skipped`` journal event: its reason's :data:`SKIP_WORDING`."""
+def skipped_text(event: HistoryEvent) -> str:
+    """The line of a ``skipped`` history event: its reason's :data:`SKIP_WORDING`."""
     try:
         reason = SkipReason(event.reason)
     except ValueError:
@@ -129,8 +129,8 @@ def skipped_text(event: JournalEvent) -> str:
     )
 
 
-def event_text(event: JournalEvent) -> str:
-    """One line for humans of what a journal event says."""
+def event_text(event: HistoryEvent) -> str:
+    """One line for humans of what a history event says."""
     if event.event == "skipped":
         return skipped_text(event)
     if event.event == "held" and event.reason == "unavailable":
@@ -230,9 +230,9 @@ def _state(view: ClaimView) -> str:
     return f"waiting (lane {view.lane})" if view.state == "waiting" else view.state
 
 
-def _without_claim(journal: Sequence[JournalEvent]) -> str:
-    """What the journal says of a task the store has no claim or record of."""
-    ended = [e for e in journal if e.event in ("released", "lease_lost", "skipped")]
+def _without_claim(history: Sequence[HistoryEvent]) -> str:
+    """What the history says of a task the store has no claim or record of."""
+    ended = [e for e in history if e.event in ("released", "lease_lost", "skipped")]
     last = ended[-1] if ended else None
     if last is not None and last.event == "skipped" and last.reason in _NO_CLAIM_OF_ITS_OWN:
         return (
@@ -247,7 +247,7 @@ def _without_claim(journal: Sequence[JournalEvent]) -> str:
         )
     return (
         "  no live claim and no completion record (finished and its record expired, or "
-        "released): the journal below is all that is known"
+        "released): the history below is all that is known"
     )
 
 
@@ -328,30 +328,30 @@ def stats_text(
 
 
 def inspect_json(
-    task_id: str, now_ms: int, views: Sequence[ClaimView], journal: Sequence[JournalEvent]
+    task_id: str, now_ms: int, views: Sequence[ClaimView], history: Sequence[HistoryEvent]
 ) -> dict[str, Any]:
-    """``claims inspect --json``: the claims and the journal, each event with its text."""
+    """``claims inspect --json``: the claims and the history, each event with its text."""
     return {
         "task_id": task_id,
         "now_ms": now_ms,
-        "found": bool(views or journal),
+        "found": bool(views or history),
         "claims": [v.as_dict() for v in views],
-        "journal": [{**e.as_dict(), "text": event_text(e)} for e in journal],
+        "history": [{**e.as_dict(), "text": event_text(e)} for e in history],
     }
 
 
 def inspect_text(
-    task_id: str, now_ms: int, views: Sequence[ClaimView], journal: Sequence[JournalEvent]
+    task_id: str, now_ms: int, views: Sequence[ClaimView], history: Sequence[HistoryEvent]
 ) -> str:
-    """``claims inspect`` of a task the store or the journal knows."""
+    """``claims inspect`` of a task the store or the history knows."""
     lines = [f"task {task_id}", *(claim_line(view, now_ms) for view in views)]
     if not views:
-        lines.append(_without_claim(journal))
-    if journal:
+        lines.append(_without_claim(history))
+    if history:
         lines.append("copies:")
-        lines += [f"  {utc(event.at_ms)}  {event_text(event)}" for event in journal]
+        lines += [f"  {utc(event.at_ms)}  {event_text(event)}" for event in history]
     else:
-        lines.append("copies: no copy was skipped or held (or the journal is not connected)")
+        lines.append("copies: no copy was skipped or held (or the history is not connected)")
     return "\n".join(lines)
 
 

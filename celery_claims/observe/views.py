@@ -3,7 +3,7 @@
 A claim or completion record of a Celery task becomes a :class:`ClaimView`; the lane store's
 ``processing`` and ``due`` sets become :class:`LaneOccupancy`. A copy waiting for a slot of its
 full lane holds a live claim like a running one: :func:`mark_waiting` tells them apart with
-the event journal (:mod:`celery_claims.observe.journal`); :func:`find_key_waiters` finds the
+the task history (:mod:`celery_claims.observe.history`); :func:`find_key_waiters` finds the
 copies waiting on one key, of a keyed task or a keyed lane. Nothing here writes to the store.
 """
 
@@ -22,7 +22,7 @@ from celery_claims.claims.redis import (
     translate_errors,
 )
 from celery_claims.model import GivenUp
-from celery_claims.observe.journal import Journal, JournalEvent
+from celery_claims.observe.history import History, HistoryEvent
 from celery_claims.validation import require_id
 
 __all__ = [
@@ -124,7 +124,7 @@ class ClaimView:
 
     @property
     def claim_id(self) -> str:
-        """``queue/task:retries:nesting`` (``queue/<key>`` when keyed), as the journal names
+        """``queue/task:retries:nesting`` (``queue/<key>`` when keyed), as the history names
         the claim."""
         if self.key:
             return f"{self.queue}/{self.key}"
@@ -322,23 +322,23 @@ def find_key(
 
 
 def mark_waiting(
-    views: Iterable[ClaimView], journals: Mapping[str, Sequence[JournalEvent]]
+    views: Iterable[ClaimView], histories: Mapping[str, Sequence[HistoryEvent]]
 ) -> list[ClaimView]:
     """``views`` with every live claim whose copy waits for a lane slot marked ``"waiting"``.
 
     A copy is claimed before it waits for its lane, so the claim store alone shows it as
-    running. The worker journals when a copy starts waiting for a full lane (``waiting``) and
+    running. The worker histories when a copy starts waiting for a full lane (``waiting``) and
     when it gets its slot (``lane_slot``): a live claim whose latest such event, for the same
     claim and fencing number, is ``waiting`` has not reached the pool.
 
     Args:
         views: claim views (any state; only ``running`` ones can change).
-        journals: task id -> its journal, oldest first
-            (:meth:`~celery_claims.observe.journal.Journal.read_many`).
+        histories: task id -> its history, oldest first
+            (:meth:`~celery_claims.observe.history.History.read_many`).
     """
     marked = []
     for view in views:
-        last = _waits_for_lane(view, journals)
+        last = _waits_for_lane(view, histories)
         if last is not None:
             # in a keyed lane the event names the key it waits for: `lane[key]`
             lane = f"{last.reason}[{last.other}]" if last.other else last.reason
@@ -348,13 +348,13 @@ def mark_waiting(
 
 
 def _waits_for_lane(
-    view: ClaimView, journals: Mapping[str, Sequence[JournalEvent]]
-) -> JournalEvent | None:
+    view: ClaimView, histories: Mapping[str, Sequence[HistoryEvent]]
+) -> HistoryEvent | None:
     """The ``waiting`` event of a live claim whose copy still waits for its lane, else None."""
     if view.state != "running":
         return None
     last = None
-    for event in journals.get(view.task_id, ()):
+    for event in histories.get(view.task_id, ()):
         if (
             event.event in ("waiting", "lane_slot")
             and event.claim_id == view.claim_id
@@ -365,18 +365,18 @@ def _waits_for_lane(
 
 
 def waiting_per_lane(
-    views: Iterable[ClaimView], journals: Mapping[str, Sequence[JournalEvent]]
+    views: Iterable[ClaimView], histories: Mapping[str, Sequence[HistoryEvent]]
 ) -> dict[str, int]:
     """How many copies wait for a slot of each lane (the live claims :func:`mark_waiting`
     marks, counted by lane name: a keyed lane's keys together).
 
     Args:
         views: the live claims (:func:`list_views`), not yet marked.
-        journals: task id -> its journal, oldest first.
+        histories: task id -> its history, oldest first.
     """
     counts: dict[str, int] = {}
     for view in views:
-        event = _waits_for_lane(view, journals)
+        event = _waits_for_lane(view, histories)
         if event is not None:
             counts[event.reason] = counts.get(event.reason, 0) + 1
     return counts
@@ -415,7 +415,7 @@ class KeyWaiter:
         return asdict(self)
 
 
-def _last_hold(events: Sequence[JournalEvent], key: str) -> JournalEvent | None:
+def _last_hold(events: Sequence[HistoryEvent], key: str) -> HistoryEvent | None:
     """The event that holds a copy on ``key`` if it still waits: its last hold for the key
     not followed by another event of that claim (it got the key, was skipped or released;
     a hold while the store was away leaves it waiting)."""
@@ -436,12 +436,12 @@ def find_key_waiters(
     queues: Sequence[str] | None = None,
     now_ms: int | None = None,
 ) -> list[KeyWaiter]:
-    """The copies waiting on ``key``, oldest first: what the fleet's journals say.
+    """The copies waiting on ``key``, oldest first: what the fleet's histories say.
 
     - A keyed task's copy held because another task holds ``key`` (the field
-      ``<task or namespace>[<key>]``): the journal indexes it under the key when it is held
-      (:func:`~celery_claims.observe.journal.key_waiters_key`); it waits while its own
-      journal's last event of that claim is the hold, and it is not the holder itself.
+      ``<task or namespace>[<key>]``): the history indexes it under the key when it is held
+      (:func:`~celery_claims.observe.history.key_waiters_key`); it waits while its own
+      history's last event of that claim is the hold, and it is not the holder itself.
     - A message waiting for a slot of its key in a keyed lane (``key`` is then
       ``<lane>[<key>]``, as ``claims list`` shows the lane it waits for): claimed already, so
       found among the live claims of every known queue (:func:`mark_waiting`).
@@ -458,13 +458,13 @@ def find_key_waiters(
         BackendUnavailable: Redis cannot be reached.
     """
     require_id("key", key)
-    journal = Journal(manager.client, manager.prefix)
+    history = History(manager.client, manager.prefix)
     held = [v.task_id for v in holders if v.state in ("running", "expired", "waiting")]
-    candidates = [task_id for task_id in journal.waiters(key) if task_id not in held]
+    candidates = [task_id for task_id in history.waiters(key) if task_id not in held]
     queue_ids = list(manager.known_queues() if queues is None else queues)
     claim_ids = {f"{queue}/{key}" for queue in queue_ids}
     found: list[KeyWaiter] = []
-    for task_id, events in journal.read_many(candidates).items():
+    for task_id, events in history.read_many(candidates).items():
         hold = _last_hold(events, key)
         if hold is not None and hold.claim_id in claim_ids:
             found.append(
@@ -472,7 +472,7 @@ def find_key_waiters(
             )
     now = server_now_ms(manager.client) if now_ms is None else now_ms
     live = [view for queue in queue_ids for view in list_views(manager, queue, now)]
-    live = mark_waiting(live, journal.read_many(v.task_id for v in live))
+    live = mark_waiting(live, history.read_many(v.task_id for v in live))
     found += [
         KeyWaiter(v.task_id, "lane", v.claim_id, v.owner, v.since_ms, instance=v.instance)
         for v in live
@@ -596,7 +596,7 @@ def with_celery_lanes(
 
     A Celery lane's slots are tickets of the lane store (one kind, named as the lane) that
     workers give back and reuse: its pending records are idle tickets as often as waiting
-    messages, so its ``waiting`` is replaced by the copies the journal says wait for a slot
+    messages, so its ``waiting`` is replaced by the copies the history says wait for a slot
     (:func:`waiting_per_lane`). A configured lane that never ran a task has no key in the
     store: it is added, idle. Other lanes (the lane store used directly) are left as they are.
 

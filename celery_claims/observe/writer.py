@@ -1,23 +1,23 @@
-"""The event journal's writer: a thread of its own, so that no caller waits on the store.
+"""The task history's writer: a thread of its own, so that no caller waits on the store.
 
-Journal events are decided in the worker's event loop (the claim gate's signal receivers),
+History events are decided in the worker's event loop (the claim gate's signal receivers),
 and they matter most exactly when the claim store is slow or down. Written there, each one
 would hold the loop, and with it every claim, ack and Celery handler, for the store's socket
-timeout. :meth:`JournalWriter.post` only appends to a bounded queue in memory; one daemon
+timeout. :meth:`HistoryWriter.post` only appends to a bounded queue in memory; one daemon
 thread writes what is queued, one pipelined round trip per batch, in the order posted.
 
-- A full queue drops its **oldest** event (counted: :attr:`JournalWriter.dropped` and the
+- A full queue drops its **oldest** event (counted: :attr:`HistoryWriter.dropped` and the
   ``on_drop`` callback, which a worker points at its ``events_dropped`` counter).
 - A write that fails (store down, timed out) is retried with a growing delay, keeping only the
   newest ``keep_on_error`` events meanwhile, so an outage costs bounded memory and the
-  journal still tells, once the store is back, what happened while it was away.
-- :meth:`JournalWriter.stop` writes what is queued for at most its timeout, then stops the
-  thread; a later :meth:`~JournalWriter.post` starts it again (Celery may stop the worker's
+  history still tells, once the store is back, what happened while it was away.
+- :meth:`HistoryWriter.stop` writes what is queued for at most its timeout, then stops the
+  thread; a later :meth:`~HistoryWriter.post` starts it again (Celery may stop the worker's
   bootsteps before the pool has finished its last tasks).
 - Fork-safe: a child process (a prefork pool process) gets the writer without its thread,
   its queue or its lock state; its parent writes the events it queued. The thread is started
   on the first post, so a process that records nothing never runs one.
-- Interpreter exit writes what is still queued, bounded like :meth:`~JournalWriter.stop`.
+- Interpreter exit writes what is still queued, bounded like :meth:`~HistoryWriter.stop`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 
 from celery_claims.errors import InvalidArgument
-from celery_claims.observe.journal import Journal, JournalEvent, journal_key, key_waiters_key
+from celery_claims.observe.history import History, HistoryEvent, history_key, key_waiters_key
 
 __all__ = [
     "DEFAULT_BACKOFF_MAX_S",
@@ -40,7 +40,7 @@ __all__ = [
     "DEFAULT_KEEP_ON_ERROR",
     "DEFAULT_MAX_QUEUED",
     "DEFAULT_STOP_TIMEOUT_S",
-    "JournalWriter",
+    "HistoryWriter",
 ]
 
 logger = logging.getLogger("celery_claims.observe")
@@ -55,10 +55,10 @@ DEFAULT_KEEP_ON_ERROR = 1_000
 DEFAULT_BACKOFF_S = 0.1
 #: Longest delay between retries of a failed write.
 DEFAULT_BACKOFF_MAX_S = 5.0
-#: How long :meth:`JournalWriter.stop` (and interpreter exit) may spend writing what is queued.
+#: How long :meth:`HistoryWriter.stop` (and interpreter exit) may spend writing what is queued.
 DEFAULT_STOP_TIMEOUT_S = 2.0
 
-_Item = tuple[int, str, JournalEvent]
+_Item = tuple[int, str, HistoryEvent]
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -73,11 +73,11 @@ def _positive_seconds(name: str, value: object) -> float:
     return float(value)
 
 
-class JournalWriter:
-    """Writes journal events from a daemon thread; posting never blocks and never raises.
+class HistoryWriter:
+    """Writes history events from a daemon thread; posting never blocks and never raises.
 
     Args:
-        journal: where events go.
+        history: where events go.
         max_queued: events kept in memory at most (the oldest is dropped beyond).
         batch_max: events written per round trip at most.
         keep_on_error: events kept (the newest) while writes fail.
@@ -87,12 +87,12 @@ class JournalWriter:
             quick and must not raise).
 
     Raises:
-        InvalidArgument: a bad journal or bound.
+        InvalidArgument: a bad history or bound.
     """
 
     def __init__(
         self,
-        journal: Journal,
+        history: History,
         *,
         max_queued: int = DEFAULT_MAX_QUEUED,
         batch_max: int = DEFAULT_BATCH_MAX,
@@ -101,11 +101,11 @@ class JournalWriter:
         backoff_max_s: float = DEFAULT_BACKOFF_MAX_S,
         on_drop: Callable[[int], object] | None = None,
     ) -> None:
-        if not isinstance(journal, Journal):
-            raise InvalidArgument("journal", f"must be a Journal, got {type(journal).__name__}")
+        if not isinstance(history, History):
+            raise InvalidArgument("history", f"must be a History, got {type(history).__name__}")
         if on_drop is not None and not callable(on_drop):
             raise InvalidArgument("on_drop", f"must be callable, got {on_drop!r:.80}")
-        self.journal = journal
+        self.history = history
         self.max_queued = _positive_int("max_queued", max_queued)
         self.batch_max = _positive_int("batch_max", batch_max)
         self.keep_on_error = min(_positive_int("keep_on_error", keep_on_error), self.max_queued)
@@ -154,16 +154,16 @@ class JournalWriter:
         with self._cond:
             return self._thread is not None and self._thread.is_alive()
 
-    def post(self, task_id: str, event: JournalEvent) -> None:
-        """Queue ``event`` for the journal of ``task_id``; never blocks on the store, never
+    def post(self, task_id: str, event: HistoryEvent) -> None:
+        """Queue ``event`` for the history of ``task_id``; never blocks on the store, never
         raises (a bad task id or event is logged at debug level and dropped)."""
         try:
-            journal_key(self.journal.prefix, task_id)
-            if not isinstance(event, JournalEvent):
-                raise InvalidArgument("event", f"must be a JournalEvent, got {event!r:.80}")
+            history_key(self.history.prefix, task_id)
+            if not isinstance(event, HistoryEvent):
+                raise InvalidArgument("event", f"must be a HistoryEvent, got {event!r:.80}")
             if event.key:
                 # checked here: a bad one in a batch would fail every write of the batch
-                key_waiters_key(self.journal.prefix, event.key)
+                key_waiters_key(self.history.prefix, event.key)
             with self._cond:
                 dropped = 0
                 if len(self._queue) >= self.max_queued:
@@ -179,9 +179,9 @@ class JournalWriter:
                 self._cond.notify_all()
             self._report_dropped(dropped)
         except Exception as exc:
-            # the journal is an aid: it must never disturb whoever posts (the worker's loop)
+            # the history is an aid: it must never disturb whoever posts (the worker's loop)
             what = getattr(event, "event", "?")
-            logger.debug("celery-claims journal: %s not queued: %r", what, exc)
+            logger.debug("celery-claims history: %s not queued: %r", what, exc)
 
     def flush(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> bool:
         """Wait until every event posted before this call is written (or dropped).
@@ -223,14 +223,14 @@ class JournalWriter:
 
     def __repr__(self) -> str:
         return (
-            f"JournalWriter(pending={self.pending}, written={self.written}, "
+            f"HistoryWriter(pending={self.pending}, written={self.written}, "
             f"dropped={self.dropped}, running={self.running})"
         )
 
     # --- the thread --------------------------------------------------------------------------
 
     def _start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="celery-claims-journal", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="celery-claims-history", daemon=True)
         self._thread.start()
 
     def _oldest_pending(self) -> int:
@@ -247,7 +247,7 @@ class JournalWriter:
             try:
                 self.on_drop(count)
             except Exception as exc:
-                logger.debug("celery-claims journal: on_drop failed: %r", exc)
+                logger.debug("celery-claims history: on_drop failed: %r", exc)
 
     def _run(self) -> None:
         cond = self._cond
@@ -287,18 +287,18 @@ class JournalWriter:
                     cond.wait(delay)
             self._report_dropped(dropped)
             if error is not None and self._failures == 1:
-                logger.debug("celery-claims journal: write failed, retrying: %r", error)
+                logger.debug("celery-claims history: write failed, retrying: %r", error)
 
     def _write(self, batch: list[_Item]) -> Exception | None:
         try:
-            self.journal.record_many((task_id, event) for _, task_id, event in batch)
+            self.history.record_many((task_id, event) for _, task_id, event in batch)
         except Exception as exc:
             return exc
         return None
 
 
 #: Every writer of this process, for the fork and exit hooks.
-_live: weakref.WeakSet[JournalWriter] = weakref.WeakSet()
+_live: weakref.WeakSet[HistoryWriter] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:

@@ -7,7 +7,7 @@ from celery_claims.worker.consumer import ClaimsConsumerMixin
 from celery_claims.worker.delivery.copy import Copy
 from celery_claims.worker.delivery.guard import ClaimUnverified, StaleCopy, current_claim
 from celery_claims.worker.delivery.state import State
-from celery_claims.worker.event_journal import connect_journal, journal_connected
+from celery_claims.worker.history import connect_history, history_connected
 from celery_claims.worker.install import install
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.settings import ClaimsSettings, LaneSpec, load_settings
@@ -26,8 +26,8 @@ __all__ = [
     # installation
     "install",
     "ClaimsConsumerMixin",
-    "connect_journal",
-    "journal_connected",
+    "connect_history",
+    "history_connected",
     # settings
     "ClaimsSettings",
     "LaneSpec",

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from celery_claims.worker.delivery.guard import declare_request_key
-from celery_claims.worker.event_journal import connect_journal, journal_connected
+from celery_claims.worker.history import connect_history, history_connected
 from celery_claims.worker.publish.producer import connect_producer
 from celery_claims.worker.settings import add_worker_options
-from celery_claims.worker.steps import EventJournal, Gate, LeaseKeeper, Sweep
+from celery_claims.worker.steps import Gate, History, LeaseKeeper, Sweep
 from celery_claims.worker.tasks import connect_schedule, register_cleanup_task
 
 __all__ = ["install"]
@@ -20,11 +20,11 @@ _INSTALLED = "_celery_claims_installed"
 def install(app: Any) -> Any:
     """Make every worker of ``app`` claim each task before running it.
 
-    Adds the lease keeper and the event journal's writer (worker bootsteps), the claim gate
+    Adds the lease keeper and the task history's writer (worker bootsteps), the claim gate
     and, for pools without an event loop and on kombu before 5.7, the Redis broker's restore
     sweep (consumer bootsteps), the ``--claims-*`` worker options, the
-    ``celery_claims.cleanup_expired`` task and its beat entry, and connects the event journal
-    of copies not run (:func:`celery_claims.worker.connect_journal`: copies skipped or held,
+    ``celery_claims.cleanup_expired`` task and its beat entry, and connects the task history
+    of copies not run (:func:`celery_claims.worker.connect_history`: copies skipped or held,
     lane waits, takeovers, lease losses and released claims, written from a thread of its
     own).
     Idempotent. Settings are read and validated when a worker starts, so ``install`` can run
@@ -49,14 +49,14 @@ def install(app: Any) -> Any:
     connect_schedule(app)
     declare_request_key()
     app.steps["worker"].add(LeaseKeeper)
-    app.steps["worker"].add(EventJournal)
+    app.steps["worker"].add(History)
     app.steps["consumer"].add(Gate)
     app.steps["consumer"].add(Sweep)
     add_worker_options(app)
     register_cleanup_task(app)
     connect_producer(app)
-    if not journal_connected():
-        # keep options a user set with an earlier connect_journal(...) call
-        connect_journal()
+    if not history_connected():
+        # keep options a user set with an earlier connect_history(...) call
+        connect_history()
     setattr(app, _INSTALLED, True)
     return app

@@ -72,7 +72,7 @@ class Counters:
     recovery counts ``journal_republished``, ``journal_dropped``, ``journal_cleared``,
     ``journal_deferred`` (its producer side counts ``journal_written`` and
     ``journal_write_failed`` in :data:`celery_claims.worker.publish.producer.PUBLISH_COUNTERS`, one
-    per process); ``events_dropped`` (event journal entries its writer dropped: queue full, or the
+    per process); ``events_dropped`` (task history entries its writer dropped: queue full, or the
     store away too long); ``skipped_key_held``, ``rescheduled_key_held``, ``skipped_key_done``,
     ``refused_key`` (keyed tasks, ``keyed.py``).
     """

@@ -3,8 +3,8 @@
 - :class:`LeaseKeeper` (worker): reads and checks the settings, creates the worker's
   :class:`~celery_claims.worker.runtime.ClaimsRuntime` (``worker.claims``), guards the tasks'
   ``run`` and runs the :class:`~celery_claims.worker.delivery.keeper.Keeper` thread.
-- :class:`EventJournal` (worker): stops the event journal's writer at shutdown, after writing
-  what it holds for a bounded time (:func:`~celery_claims.worker.event_journal.stop_journal`).
+- :class:`History` (worker): stops the task history's writer at shutdown, after writing
+  what it holds for a bounded time (:func:`~celery_claims.worker.history.stop_history`).
 - :class:`Gate` (consumer): installs the :class:`~celery_claims.worker.delivery.gate.ClaimGate` in
   front of ``consumer.on_task_request``.
 - :class:`Sweep` (consumer): runs the Redis broker's restore sweep where kombu does not run it
@@ -27,7 +27,7 @@ from celery_claims.worker.compat import check_versions, pool_name
 from celery_claims.worker.delivery.gate import ClaimGate
 from celery_claims.worker.delivery.guard import guard_tasks
 from celery_claims.worker.delivery.keeper import Keeper
-from celery_claims.worker.event_journal import stop_journal
+from celery_claims.worker.history import stop_history
 from celery_claims.worker.policy import check_task_policies
 from celery_claims.worker.publish.producer import connect_producer
 from celery_claims.worker.runtime import ClaimsRuntime
@@ -42,7 +42,7 @@ from celery_claims.worker.transport.loop import forget_hub_when_closed
 from celery_claims.worker.transport.store import check_store
 from celery_claims.worker.transport.sweep import RestoreSweep, bound_restore_lock
 
-__all__ = ["EventJournal", "Gate", "LeaseKeeper", "Sweep", "check_start", "check_unsafe_settings"]
+__all__ = ["History", "Gate", "LeaseKeeper", "Sweep", "check_start", "check_unsafe_settings"]
 
 logger = get_logger("celery_claims.worker")
 
@@ -205,8 +205,8 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
     shutdown = stop
 
 
-class EventJournal(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
-    """Worker bootstep: at shutdown, writes what the event journal's writer still holds (for
+class History(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
+    """Worker bootstep: at shutdown, writes what the task history's writer still holds (for
     a bounded time) and stops its thread.
 
     The writer itself is bound when the worker is ready (``worker_ready``, in the main
@@ -214,14 +214,14 @@ class EventJournal(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is 
     an event posted after that starts the writer again, and interpreter exit writes it.
     """
 
-    label = "Claims event journal"
+    label = "Claims task history"
     requires = ("celery.worker.components:Timer",)
 
     def start(self, w: Any) -> None:
         pass
 
     def stop(self, w: Any) -> None:
-        stop_journal(w.app)
+        stop_history(w.app)
 
     terminate = stop
     shutdown = stop

@@ -23,7 +23,7 @@ import pytest
 from celery import Celery
 
 from celery_claims import RedisClaimManager
-from celery_claims.observe import Journal
+from celery_claims.observe import History
 from tests.servers import RedisServer, free_port, redis_server
 from tests.worker.helpers import wait_for
 
@@ -145,18 +145,18 @@ def live_fleet() -> Iterator[LiveFleet]:
 def _make_history(fleet: LiveFleet) -> None:
     producer = _producer(fleet.url, fleet.ns)
     manager = RedisClaimManager(url=fleet.url, prefix=fleet.ns)
-    journal = Journal(manager.client, fleet.ns)
+    history = History(manager.client, fleet.ns)
     try:
         # a finished task, then a second copy of it: acked without running (skipped, done)
         producer.send_task("demo.work", (0.1,), task_id="done-1", queue=QUEUE)
         wait_for(lambda: manager.done_record(QUEUE, "done-1:0:0"), timeout=20, what="done-1")
         producer.send_task("demo.work", (0.1,), task_id="done-1", queue=QUEUE)
-        wait_for(lambda: journal.read("done-1"), timeout=20, what="the skipped copy")
+        wait_for(lambda: history.read("done-1"), timeout=20, what="the skipped copy")
         # a long task, then a second copy while it runs: held unacked by the gate
         producer.send_task("demo.work", (60,), task_id="live-1", queue=QUEUE)
         wait_for(lambda: manager.list_claims(QUEUE), timeout=20, what="live-1's claim")
         producer.send_task("demo.work", (60,), task_id="live-1", queue=QUEUE)
-        wait_for(lambda: journal.read("live-1"), timeout=20, what="the held copy")
+        wait_for(lambda: history.read("live-1"), timeout=20, what="the held copy")
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{fleet.output()}") from None
     finally:

@@ -104,7 +104,7 @@ def test_inspect_of_a_finished_task_shows_done_and_why_the_copy_was_skipped(
 
     [record] = data["claims"]
     assert (record["queue"], record["attempt"], record["state"]) == (QUEUE, "0.0", "done")
-    [skipped] = [e for e in data["journal"] if e["event"] == "skipped"]
+    [skipped] = [e for e in data["history"] if e["event"] == "skipped"]
     assert skipped["reason"] == "done"
     assert skipped["other"] == record["owner"]
     assert skipped["instance"] == record["instance"]

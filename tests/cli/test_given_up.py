@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_claims import GivenUp, RedisClaimManager
-from celery_claims.observe import Journal, JournalEvent
+from celery_claims.observe import History, HistoryEvent
 from tests.cli.conftest import json_of, run_cli
 from tests.servers import RedisServer
 
@@ -65,9 +65,9 @@ def test_inspect_explains_a_copy_skipped_because_the_task_was_given_up(
     prefix, record = given_up
     client = redis_server.client()
     try:
-        Journal(client, prefix).record(
+        History(client, prefix).record(
             TASK,
-            JournalEvent(record.given_up_at, "skipped", "given_up", "cli-c@test",
+            HistoryEvent(record.given_up_at, "skipped", "given_up", "cli-c@test",
                          f"{QUEUE}/{TASK}:0:0", record.previous_owner),
         )  # fmt: skip
     finally:

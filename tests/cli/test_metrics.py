@@ -65,7 +65,7 @@ def test_each_worker_exports_its_claims_skips_holds_renewals_and_live_claims(
             for worker in {dict(labels).get("worker") for _, labels in one} - {None}
         ), event
     assert total(scraped, "celery_claims_journal_total", event="republished") == 0
-    # and the event journal's writer dropped nothing (the store was up)
+    # and the task history's writer dropped nothing (the store was up)
     for one in scraped:
         dropped = [
             v for (sample, _), v in one.items() if sample == "celery_claims_events_dropped_total"

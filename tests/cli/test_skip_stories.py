@@ -20,7 +20,7 @@ import pytest
 import redis
 from celery.exceptions import TaskRevokedError
 
-from celery_claims.observe import Journal, SkipReason
+from celery_claims.observe import History, SkipReason
 from tests.servers import redis_server
 from tests.worker.helpers import wait_for
 from tests.worker.processes import Fleet, Proc
@@ -46,13 +46,13 @@ class Stories:
         )  # fmt: skip
 
     def skipped_text(self, task_id: str) -> list[str]:
-        """The journal lines ``inspect`` prints for the task's skipped copies."""
+        """The history lines ``inspect`` prints for the task's skipped copies."""
         data = json.loads(self.inspect(task_id, "--json").stdout)
-        return [e["text"] for e in data["journal"] if e["event"] == "skipped"]
+        return [e["text"] for e in data["history"] if e["event"] == "skipped"]
 
 
 def _skips(client: redis.Redis, task_id: str) -> list[Any]:
-    return [e for e in Journal(client, "claims").read(task_id) if e.event == "skipped"]
+    return [e for e in History(client, "claims").read(task_id) if e.event == "skipped"]
 
 
 def _started(client: redis.Redis, task_id: str) -> bool:

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from celery_claims.observe import SKIP_REASONS, SKIP_WORDING, JournalEvent, SkipReason
-from celery_claims.observe.journal import skip_reasons_reference
+from celery_claims.observe import SKIP_REASONS, SKIP_WORDING, HistoryEvent, SkipReason
+from celery_claims.observe.history import skip_reasons_reference
 from celery_claims.observe.render import event_text
 from celery_claims.reference import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _event(reason: SkipReason) -> JournalEvent:
-    return JournalEvent(1, "skipped", reason.value, "w@host", "q/t['k']", "other", 3)
+def _event(reason: SkipReason) -> HistoryEvent:
+    return HistoryEvent(1, "skipped", reason.value, "w@host", "q/t['k']", "other", 3)
 
 
 def test_every_skip_reason_has_a_wording_and_a_meaning_and_nothing_else_has() -> None:
@@ -40,7 +40,7 @@ def test_only_a_copy_of_a_finished_attempt_reads_already_done() -> None:
 
 
 def test_a_reason_this_reader_does_not_know_is_shown_as_given() -> None:
-    event = JournalEvent(1, "skipped", "from_the_future", "w@host", "q/t:0:0", "someone")
+    event = HistoryEvent(1, "skipped", "from_the_future", "w@host", "q/t:0:0", "someone")
 
     assert event_text(event) == ("copy acked without running on w@host: from_the_future (someone)")
 
@@ -55,7 +55,7 @@ def test_docs_testing_md_lists_the_skip_reasons_as_the_code_has_them() -> None:
     docs = (ROOT / "docs" / "testing.md").read_text()
 
     assert skip_reasons_reference() in docs, (
-        "docs/testing.md's list of skip reasons differs from celery_claims/observe/journal.py: "
+        "docs/testing.md's list of skip reasons differs from celery_claims/observe/history.py: "
         "regenerate it with `python -m celery_claims.reference`"
     )
 

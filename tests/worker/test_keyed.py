@@ -16,7 +16,7 @@ import redis
 from celery.exceptions import TaskRevokedError
 
 from celery_claims.claims.journal import RedisJournal
-from celery_claims.observe import Journal
+from celery_claims.observe import History
 from tests.lanes.intervals import max_overlap
 from tests.servers import RedisServer
 from tests.worker.helpers import wait_for
@@ -68,7 +68,7 @@ def skips(url: str, task_id: str, count: int = 1) -> list[Any]:
     def read() -> list[Any]:
         client = redis.Redis.from_url(url)
         try:
-            return [e for e in Journal(client, "claims").read(task_id) if e.event == "skipped"]
+            return [e for e in History(client, "claims").read(task_id) if e.event == "skipped"]
         finally:
             client.close()
 

@@ -89,6 +89,6 @@ def test_inspect_of_a_task_that_failed_says_it_failed_and_its_claim_was_released
     assert "the last attempt ended without success on w@" in inspected.stdout
     assert "(failed (ValueError)); its claim was released" in inspected.stdout
     assert data["found"] is True
-    assert [(e["event"], e["reason"]) for e in data["journal"]] == [
+    assert [(e["event"], e["reason"]) for e in data["history"]] == [
         ("released", "failed (ValueError)")
     ]

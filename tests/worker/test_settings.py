@@ -96,8 +96,8 @@ def test_install_adds_worker_options_once_and_is_idempotent() -> None:
     names = [opt.name for opt in app.user_options["worker"]]
     assert names.count("claims_lease_ms") == 1
     assert "claims_redis_url" in names
-    # the lease keeper, and the event journal's writer stopped at shutdown
-    assert sorted(step.__name__ for step in app.steps["worker"]) == ["EventJournal", "LeaseKeeper"]
+    # the lease keeper, and the task history's writer stopped at shutdown
+    assert sorted(step.__name__ for step in app.steps["worker"]) == ["History", "LeaseKeeper"]
     # the gate, and the restore sweep of pools without an event loop
     assert sorted(step.__name__ for step in app.steps["consumer"]) == ["Gate", "Sweep"]
 

@@ -15,8 +15,7 @@ from celery import Celery
 
 from celery_claims import RedisClaimManager
 from celery_claims.fencing import TaskClaim
-from celery_claims.observe import journal_connected
-from celery_claims.worker import claim_acquired, current_claim
+from celery_claims.worker import claim_acquired, current_claim, history_connected
 from tests.servers import RedisServer
 from tests.worker.helpers import close_app, in_process_worker, make_app, unique, wait_done
 from tests.worker.lanefleet import events, lanes_worker
@@ -134,7 +133,7 @@ def test_install_connects_the_journal() -> None:
     from celery_claims.worker import install
 
     install(app)
-    assert journal_connected()
+    assert history_connected()
 
 
 # --- the startup safety check ----------------------------------------------------------------

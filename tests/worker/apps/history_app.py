@@ -1,8 +1,8 @@
-"""The app of the event journal's real ``celery worker`` test, configured from the environment.
+"""The app of the task history's real ``celery worker`` test, configured from the environment.
 
 ``CLAIMS_TEST_BROKER`` (broker URL), ``CLAIMS_TEST_BACKEND`` (Redis result backend),
 ``CLAIMS_TEST_QUEUE`` (the test's queue). Claim settings come from ``--claims-*`` worker
-options. ``journal.claimed`` goes through the claim gate.
+options. ``history.claimed`` goes through the claim gate.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from celery import Celery
 
 from celery_claims.worker import install
 
-app = Celery("journal", broker=os.environ["CLAIMS_TEST_BROKER"],
+app = Celery("history", broker=os.environ["CLAIMS_TEST_BROKER"],
              backend=os.environ["CLAIMS_TEST_BACKEND"])  # fmt: skip
 app.conf.update(
     broker_connection_retry_on_startup=True,
@@ -26,7 +26,7 @@ app.conf.update(
 install(app)
 
 
-@app.task(name="journal.claimed")
+@app.task(name="history.claimed")
 def claimed(value: int) -> int:
     """A claimed task: returns ``value``."""
     return value

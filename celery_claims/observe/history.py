@@ -1,28 +1,31 @@
-"""The event journal: what a worker decided about each copy of a task, kept per task id.
+"""The task history: what a worker decided about each copy of a task, kept per task id.
 
 The claim store answers "who holds this claim, until when, is it done". It does not remember
-the copies a worker did *not* run. The event journal does: a short, capped, expiring list per
+the copies a worker did *not* run. The task history does: a short, capped, expiring list per
 Celery task id of the claim gate's decisions about copies (skipped because done, held because
 another lease is live or the store was down, waiting for a slot of a full lane, taken over,
 lease lost, released after a failure). A worker writes it from a thread of its own
-(:class:`~celery_claims.observe.writer.JournalWriter`), never from its event loop;
+(:class:`~celery_claims.observe.writer.HistoryWriter`), never from its event loop;
 ``celery claims inspect`` and ``celery claims list`` read it.
 
-(Not to be confused with a journal of *messages*: this one records decisions, for operators.)
+(Not to be confused with the publish journal, :mod:`celery_claims.claims.journal`, a record of
+*messages*: this one records decisions, for operators.)
 
-Key, for prefix ``P``: ``P:journal:{<escaped task id>}``, a list of JSON events, newest first,
-capped at :data:`JOURNAL_MAX_EVENTS` and expiring :data:`DEFAULT_JOURNAL_TTL_MS` after the last
+Key, for prefix ``P``: ``P:journal:{<escaped task id>}`` (the name of earlier versions, where
+this was the "event journal", kept so an upgrade keeps what was recorded), a list of JSON
+events, newest first,
+capped at :data:`HISTORY_MAX_EVENTS` and expiring :data:`DEFAULT_HISTORY_TTL_MS` after the last
 event. One key per task id, so it lives in one Redis Cluster slot.
 
 A keyed task's copy held while another task holds its key (``claims_key``, policy ``wait``)
 is also indexed under the key, so that ``celery claims key K`` finds what waits on ``K``:
 ``P:journal:key:{<escaped key field>}``, a sorted set of the waiting task ids scored by when
-they were held, capped at :data:`MAX_KEY_WAITERS` and expiring like a journal. The index is
+they were held, capped at :data:`MAX_KEY_WAITERS` and expiring like a history. The index is
 written only when a copy is held for a key, and a copy that then gets the key leaves it, so a
 key nobody waits on has none.
 
 :class:`SkipReason` is the vocabulary of the copies a worker acks without running: the
-``reason`` of the ``task_skipped`` signal and of the journal's ``skipped`` events.
+``reason`` of the ``task_skipped`` signal and of the history's ``skipped`` events.
 """
 
 from __future__ import annotations
@@ -42,24 +45,24 @@ from celery_claims.errors import InvalidArgument
 from celery_claims.validation import require_id
 
 __all__ = [
-    "DEFAULT_JOURNAL_TTL_MS",
-    "JOURNAL_MAX_EVENTS",
-    "Journal",
+    "DEFAULT_HISTORY_TTL_MS",
+    "HISTORY_MAX_EVENTS",
+    "History",
     "MAX_KEY_WAITERS",
-    "JournalEvent",
+    "HistoryEvent",
     "SKIP_REASONS",
     "SkipReason",
     "SkipMeaning",
-    "journal_key",
+    "history_key",
     "key_waiters_key",
     "skip_reasons_reference",
     "write_skip_reasons",
 ]
 
 #: Events kept per task id (the newest); a task redelivered more often than this is rare.
-JOURNAL_MAX_EVENTS = 50
-#: A journal expires this long after its last event (the default completion retention).
-DEFAULT_JOURNAL_TTL_MS = 24 * 3600 * 1000
+HISTORY_MAX_EVENTS = 50
+#: A history expires this long after its last event (the default completion retention).
+DEFAULT_HISTORY_TTL_MS = 24 * 3600 * 1000
 #: Task ids kept (the newest) in the index of the copies waiting on one key.
 MAX_KEY_WAITERS = 1000
 
@@ -67,7 +70,7 @@ MAX_KEY_WAITERS = 1000
 class SkipReason(str, enum.Enum):
     """Why a worker acked a copy without running it.
 
-    The ``reason`` of the ``task_skipped`` signal, of the journal's ``skipped`` events and of
+    The ``reason`` of the ``task_skipped`` signal, of the history's ``skipped`` events and of
     ``celery_claims.testing.SkippedCopy``. A ``str`` enum: each member equals its value, so
     ``reason == "done"`` holds for ``SkipReason.DONE``. What each means is
     :data:`SKIP_REASONS`; how ``celery claims inspect`` tells it,
@@ -135,7 +138,7 @@ SKIP_REASONS: Mapping[SkipReason, SkipMeaning] = MappingProxyType(
 )
 
 
-_BEGIN = "<!-- skip-reasons:begin (made from celery_claims/observe/journal.py; do not edit) -->"
+_BEGIN = "<!-- skip-reasons:begin (made from celery_claims/observe/history.py; do not edit) -->"
 _END = "<!-- skip-reasons:end -->"
 
 
@@ -167,8 +170,8 @@ def write_skip_reasons(path: Path) -> bool:
     return new != text
 
 
-def journal_key(prefix: str, task_id: str) -> str:
-    """The journal list of Celery task ``task_id``.
+def history_key(prefix: str, task_id: str) -> str:
+    """The history list of Celery task ``task_id``.
 
     Raises:
         InvalidArgument: a bad prefix or task id.
@@ -178,7 +181,7 @@ def journal_key(prefix: str, task_id: str) -> str:
 
 def key_waiters_key(prefix: str, key: str) -> str:
     """The index of the copies waiting on the key field ``key`` of keyed tasks (a task id's
-    journal key cannot be this one: its hash tag follows ``journal:`` at once).
+    history key cannot be this one: its hash tag follows ``history:`` at once).
 
     Raises:
         InvalidArgument: a bad prefix or key.
@@ -187,7 +190,7 @@ def key_waiters_key(prefix: str, key: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class JournalEvent:
+class HistoryEvent:
     """One decision of a claim gate about one copy of a task.
 
     Attributes:
@@ -227,7 +230,7 @@ class JournalEvent:
     key: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready form (what the journal stores)."""
+        """A JSON-ready form (what the history stores)."""
         return asdict(self)
 
 
@@ -235,17 +238,17 @@ def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-class Journal:
-    """Writes and reads the per-task event journal in the claim store.
+class History:
+    """Writes and reads the per-task task history in the claim store.
 
     Every call is one pipelined round trip and blocks until the store answers: a worker
-    writes through a :class:`~celery_claims.observe.writer.JournalWriter` instead, whose
+    writes through a :class:`~celery_claims.observe.writer.HistoryWriter` instead, whose
     thread makes these calls.
 
     Args:
         client: the claim store's Redis client.
         prefix: the claim key prefix.
-        ttl_ms: how long a journal is kept after its last event.
+        ttl_ms: how long a history is kept after its last event.
         max_events: events kept per task.
 
     Raises:
@@ -257,8 +260,8 @@ class Journal:
         client: RedisClient,
         prefix: str,
         *,
-        ttl_ms: int = DEFAULT_JOURNAL_TTL_MS,
-        max_events: int = JOURNAL_MAX_EVENTS,
+        ttl_ms: int = DEFAULT_HISTORY_TTL_MS,
+        max_events: int = HISTORY_MAX_EVENTS,
     ) -> None:
         self.client = client
         self.prefix = require_prefix(prefix)
@@ -268,8 +271,8 @@ class Journal:
         self.ttl_ms = ttl_ms
         self.max_events = max_events
 
-    def record(self, task_id: str, event: JournalEvent) -> None:
-        """Add ``event`` to the journal of ``task_id``.
+    def record(self, task_id: str, event: HistoryEvent) -> None:
+        """Add ``event`` to the history of ``task_id``.
 
         Raises:
             InvalidArgument: a bad task id or event.
@@ -277,11 +280,11 @@ class Journal:
         """
         self.record_many([(task_id, event)])
 
-    def record_many(self, events: Iterable[tuple[str, JournalEvent]]) -> None:
-        """Add each ``(task id, event)`` to its task's journal, in order, in one round trip.
+    def record_many(self, events: Iterable[tuple[str, HistoryEvent]]) -> None:
+        """Add each ``(task id, event)`` to its task's history, in order, in one round trip.
 
         Every pair is checked before anything is sent: a bad one writes nothing. An event
-        naming a key (:attr:`JournalEvent.key`) also adds the task to the key's waiters index
+        naming a key (:attr:`HistoryEvent.key`) also adds the task to the key's waiters index
         (``held``) or takes it out (any other event).
 
         Raises:
@@ -290,10 +293,10 @@ class Journal:
         """
         items = []
         for task_id, event in events:
-            if not isinstance(event, JournalEvent):
-                raise InvalidArgument("event", f"must be a JournalEvent, got {event!r:.80}")
+            if not isinstance(event, HistoryEvent):
+                raise InvalidArgument("event", f"must be a HistoryEvent, got {event!r:.80}")
             waiters = key_waiters_key(self.prefix, event.key) if event.key else None
-            items.append((task_id, journal_key(self.prefix, task_id), waiters, event))
+            items.append((task_id, history_key(self.prefix, task_id), waiters, event))
         if not items:
             return
         with translate_errors():
@@ -315,7 +318,7 @@ class Journal:
 
     def waiters(self, key: str) -> list[str]:
         """The task ids indexed as waiting on the key field ``key``, oldest hold first (each
-        one's own journal tells whether it still waits: see
+        one's own history tells whether it still waits: see
         :func:`~celery_claims.observe.views.find_key_waiters`).
 
         Raises:
@@ -326,8 +329,8 @@ class Journal:
         with translate_errors():
             return [_text(member) for member in self.client.zrange(index, 0, -1)]
 
-    def read(self, task_id: str) -> list[JournalEvent]:
-        """The journal of ``task_id``, oldest first (entries this version cannot read are
+    def read(self, task_id: str) -> list[HistoryEvent]:
+        """The history of ``task_id``, oldest first (entries this version cannot read are
         skipped).
 
         Raises:
@@ -336,15 +339,15 @@ class Journal:
         """
         return self.read_many([task_id])[task_id]
 
-    def read_many(self, task_ids: Iterable[str]) -> dict[str, list[JournalEvent]]:
-        """The journals of ``task_ids``, oldest first, in one pipelined round trip.
+    def read_many(self, task_ids: Iterable[str]) -> dict[str, list[HistoryEvent]]:
+        """The histories of ``task_ids``, oldest first, in one pipelined round trip.
 
         Raises:
             InvalidArgument: a bad task id.
             BackendUnavailable: Redis cannot be reached.
         """
         ids = list(dict.fromkeys(task_ids))
-        keys = [journal_key(self.prefix, task_id) for task_id in ids]
+        keys = [history_key(self.prefix, task_id) for task_id in ids]
         if not keys:
             return {}
         with translate_errors():
@@ -352,13 +355,13 @@ class Journal:
             for key in keys:
                 pipe.lrange(key, 0, -1)
             replies = pipe.execute()
-        journals: dict[str, list[JournalEvent]] = {}
+        histories: dict[str, list[HistoryEvent]] = {}
         for task_id, raw in zip(ids, replies, strict=True):
             events = []
             for item in reversed(raw):
                 try:
-                    events.append(JournalEvent(**json.loads(_text(item))))
+                    events.append(HistoryEvent(**json.loads(_text(item))))
                 except (ValueError, TypeError):
                     continue
-            journals[task_id] = events
-        return journals
+            histories[task_id] = events
+        return histories

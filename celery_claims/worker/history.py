@@ -1,16 +1,16 @@
-"""The event journal of a worker: signal receivers that post events, and the journal's writer.
+"""The task history of a worker: signal receivers that post events, and the history's writer.
 
-:func:`connect_journal` (which ``install(app)`` calls) connects receivers to the claim gate's
-signals; each builds a :class:`~celery_claims.observe.journal.JournalEvent` and *posts* it to
-the worker's :class:`~celery_claims.observe.writer.JournalWriter`, which writes from a thread
+:func:`connect_history` (which ``install(app)`` calls) connects receivers to the claim gate's
+signals; each builds a :class:`~celery_claims.observe.history.HistoryEvent` and *posts* it to
+the worker's :class:`~celery_claims.observe.writer.HistoryWriter`, which writes from a thread
 of its own: a receiver runs in the worker's event loop and never waits on the claim store.
 The writer is made in the worker's main process when Celery's ``worker_ready`` is sent (the
 ``celery worker`` command sends it; pool processes are forked before and record nothing) and
 stopped, after writing what it holds for a bounded time, by the worker's
-``Claims event journal`` bootstep (:func:`stop_journal`).
+``Claims task history`` bootstep (:func:`stop_history`).
 
-This is the journal of the gate's *decisions*, for operators (``celery claims inspect``); it
-is not a journal of messages.
+This is the history of the gate's *decisions*, for operators (``celery claims inspect``); the
+publish journal (:mod:`celery_claims.worker.publish`) is the record of *messages*.
 """
 
 from __future__ import annotations
@@ -25,23 +25,23 @@ from celery.signals import worker_ready
 
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import InvalidArgument
-from celery_claims.observe.journal import DEFAULT_JOURNAL_TTL_MS, Journal, JournalEvent
-from celery_claims.observe.writer import DEFAULT_STOP_TIMEOUT_S, JournalWriter
+from celery_claims.observe.history import DEFAULT_HISTORY_TTL_MS, History, HistoryEvent
+from celery_claims.observe.writer import DEFAULT_STOP_TIMEOUT_S, HistoryWriter
 from celery_claims.worker import signals
 
 __all__ = [
-    "attach_journal",
-    "connect_journal",
-    "journal_connected",
-    "journal_writer",
-    "stop_journal",
+    "attach_history",
+    "connect_history",
+    "history_connected",
+    "history_writer",
+    "stop_history",
 ]
 
 logger = logging.getLogger("celery_claims.observe")
 
 _connect_lock = threading.Lock()
 _connected: dict[str, bool] = {}
-#: Attribute of a Celery app holding its worker's journal writer (set when the worker is ready).
+#: Attribute of a Celery app holding its worker's history writer (set when the worker is ready).
 _APP_ATTR = "_celery_claims_journal"
 #: The worker counter of events the writer dropped (``worker.claims.counters``).
 DROPPED_COUNTER = "events_dropped"
@@ -50,20 +50,20 @@ DROPPED_COUNTER = "events_dropped"
 @dataclass
 class _Options:
     record_acquired: bool = False
-    ttl_ms: int = DEFAULT_JOURNAL_TTL_MS
+    ttl_ms: int = DEFAULT_HISTORY_TTL_MS
 
 
 _options = _Options()
 
 
-def journal_writer(app: Any) -> JournalWriter | None:
-    """The journal writer bound to ``app`` in this process, if any."""
+def history_writer(app: Any) -> HistoryWriter | None:
+    """The history writer bound to ``app`` in this process, if any."""
     writer = getattr(app, _APP_ATTR, None)
-    return writer if isinstance(writer, JournalWriter) else None
+    return writer if isinstance(writer, HistoryWriter) else None
 
 
-def _post(request: Any, event: JournalEvent) -> None:
-    writer = journal_writer(getattr(getattr(request, "task", None), "app", None))
+def _post(request: Any, event: HistoryEvent) -> None:
+    writer = history_writer(getattr(getattr(request, "task", None), "app", None))
     task_id = getattr(request, "id", None)
     if writer is not None and isinstance(task_id, str) and task_id:
         writer.post(task_id, event)  # never blocks, never raises
@@ -96,7 +96,7 @@ def _on_skipped(
         other = str(error)
     _post(
         request,
-        JournalEvent(
+        HistoryEvent(
             _now_ms(),
             "skipped",
             reason,
@@ -122,13 +122,13 @@ def _on_held(
 ) -> None:
     if reason == "lane":
         # claimed but not running: what `claims list/inspect` must not call running
-        event = JournalEvent(
+        event = HistoryEvent(
             _now_ms(), "waiting", lane, _hostname(request), claim_id, lane_key, instance
         )
     else:
         # a keyed copy held by another task's claim on its key waits on that key (indexed
         # under it for `claims key`); held while the store is away it waits on nothing yet
-        event = JournalEvent(
+        event = HistoryEvent(
             _now_ms(),
             "held",
             reason,
@@ -156,7 +156,7 @@ def _on_acquired(
         return
     _post(
         request,
-        JournalEvent(
+        HistoryEvent(
             _now_ms(),
             "took_over" if took_over else "acquired",
             "",
@@ -177,7 +177,7 @@ def _on_lane_slot(
     instance: int = 0,
     **_: Any,
 ) -> None:
-    event = JournalEvent(_now_ms(), "lane_slot", lane, _hostname(request), claim_id, "", instance)
+    event = HistoryEvent(_now_ms(), "lane_slot", lane, _hostname(request), claim_id, "", instance)
     _post(request, event)
 
 
@@ -191,14 +191,14 @@ def _on_released(
 ) -> None:
     # a failed attempt leaves no claim nor record: without this `inspect` knows nothing
     instance = int(getattr(token, "instance", 0) or 0)
-    event = JournalEvent(_now_ms(), "released", reason, _hostname(request), claim_id, "", instance)
+    event = HistoryEvent(_now_ms(), "released", reason, _hostname(request), claim_id, "", instance)
     _post(request, event)
 
 
 def _on_lease_lost(sender: Any = None, request: Any = None, token: Any = None, **_: Any) -> None:
     _post(
         request,
-        JournalEvent(
+        HistoryEvent(
             _now_ms(),
             "lease_lost",
             "",
@@ -217,8 +217,8 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if not isinstance(manager, RedisClaimManager) or app is None:
         return
-    current = journal_writer(app)
-    if current is not None and current.journal.client is manager.client:
+    current = history_writer(app)
+    if current is not None and current.history.client is manager.client:
         return
     counters = getattr(runtime, "counters", None)
     on_drop = None
@@ -227,60 +227,60 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         def on_drop(count: int) -> None:
             counters.incr(DROPPED_COUNTER, count)
 
-    journal = Journal(manager.client, manager.prefix, ttl_ms=_options.ttl_ms)
-    setattr(app, _APP_ATTR, JournalWriter(journal, on_drop=on_drop))
+    history = History(manager.client, manager.prefix, ttl_ms=_options.ttl_ms)
+    setattr(app, _APP_ATTR, HistoryWriter(history, on_drop=on_drop))
     if current is not None:
         current.stop(0)
 
 
-def attach_journal(app: Any, journal: Journal | JournalWriter) -> JournalWriter:
-    """Make the journal receivers post ``app``'s events to ``journal`` in this process (for
+def attach_history(app: Any, history: History | HistoryWriter) -> HistoryWriter:
+    """Make the history receivers post ``app``'s events to ``history`` in this process (for
     in-process workers, which ``worker_ready`` does not reach).
 
     Args:
         app: the Celery app.
-        journal: a journal (a writer is made for it) or a writer.
+        history: a history (a writer is made for it) or a writer.
 
     Returns:
-        The writer now bound to ``app`` (stop it with :func:`stop_journal`).
+        The writer now bound to ``app`` (stop it with :func:`stop_history`).
 
     Raises:
-        InvalidArgument: ``journal`` is neither.
+        InvalidArgument: ``history`` is neither.
     """
-    if isinstance(journal, Journal):
-        journal = JournalWriter(journal)
-    if not isinstance(journal, JournalWriter):
+    if isinstance(history, History):
+        history = HistoryWriter(history)
+    if not isinstance(history, HistoryWriter):
         raise InvalidArgument(
-            "journal", f"must be a Journal or a JournalWriter, got {type(journal).__name__}"
+            "history", f"must be a History or a HistoryWriter, got {type(history).__name__}"
         )
-    setattr(app, _APP_ATTR, journal)
-    return journal
+    setattr(app, _APP_ATTR, history)
+    return history
 
 
-def stop_journal(app: Any, *, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> bool:
-    """Write what ``app``'s journal writer holds, for at most ``timeout_s``, and stop its
+def stop_history(app: Any, *, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> bool:
+    """Write what ``app``'s history writer holds, for at most ``timeout_s``, and stop its
     thread (reentrant, no logging: the worker's bootstep calls it at shutdown).
 
     Returns:
         True if nothing was left unwritten (or no writer is bound).
     """
-    writer = journal_writer(app)
+    writer = history_writer(app)
     return True if writer is None else writer.stop(timeout_s)
 
 
-def journal_connected() -> bool:
-    """True once :func:`connect_journal` has connected the receivers in this process."""
+def history_connected() -> bool:
+    """True once :func:`connect_history` has connected the receivers in this process."""
     with _connect_lock:
-        return bool(_connected.get("journal"))
+        return bool(_connected.get("history"))
 
 
-def connect_journal(*, record_acquired: bool = False, ttl_ms: int = DEFAULT_JOURNAL_TTL_MS) -> None:
-    """Record the claim gate's decisions about copies in the event journal (idempotent).
+def connect_history(*, record_acquired: bool = False, ttl_ms: int = DEFAULT_HISTORY_TTL_MS) -> None:
+    """Record the claim gate's decisions about copies in the task history (idempotent).
 
     Connects receivers to ``task_skipped``, ``task_held`` (including copies waiting for a
     full lane), ``lane_slot``, ``claim_acquired`` (takeovers, and every acquisition with
     ``record_acquired``), ``lease_lost`` and ``claim_released``, and to Celery's
-    ``worker_ready``, where each worker's journal writer is bound to its claim store. Call it
+    ``worker_ready``, where each worker's history writer is bound to its claim store. Call it
     in the module that creates the app, next to ``celery_claims.install(app)``.
 
     A receiver only queues its event in memory; the writer's thread writes what is queued,
@@ -291,7 +291,7 @@ def connect_journal(*, record_acquired: bool = False, ttl_ms: int = DEFAULT_JOUR
 
     Args:
         record_acquired: also record every copy that ran (one more event per task).
-        ttl_ms: how long a task's journal is kept after its last event.
+        ttl_ms: how long a task's history is kept after its last event.
 
     Raises:
         InvalidArgument: a bad ``ttl_ms``.
@@ -301,7 +301,7 @@ def connect_journal(*, record_acquired: bool = False, ttl_ms: int = DEFAULT_JOUR
     with _connect_lock:
         _options.record_acquired = bool(record_acquired)
         _options.ttl_ms = ttl_ms
-        if _connected.get("journal"):
+        if _connected.get("history"):
             return
         # weak=False: the receivers are module functions, but be explicit that they stay
         signals.task_skipped.connect(_on_skipped, weak=False)
@@ -311,4 +311,4 @@ def connect_journal(*, record_acquired: bool = False, ttl_ms: int = DEFAULT_JOUR
         signals.lane_slot.connect(_on_lane_slot, weak=False)
         signals.claim_released.connect(_on_released, weak=False)
         worker_ready.connect(_on_worker_ready, weak=False)
-        _connected["journal"] = True
+        _connected["history"] = True
