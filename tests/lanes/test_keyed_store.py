@@ -10,7 +10,9 @@ import pytest
 from celery_claims.lanes import InvalidValueError, TaskClaimCandidate, TaskLaneConfig
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from tests.lanes.conftest import T0, redis_dump
-from tests.servers import RedisServer, command_calls
+from tests.servers import RedisServer, command_calls, on_every_server
+
+pytestmark = on_every_server
 
 TENANTS = TaskLaneConfig(lane="exports", kinds=("exports",), limit=4)
 LEASE = T0 + timedelta(seconds=30)
@@ -18,8 +20,8 @@ LEASE = T0 + timedelta(seconds=30)
 SCRIPT_INTERNAL = {"hget", "hset", "zadd", "zrem", "zcount", "zrangebyscore"}
 
 
-def _store(redis_server: RedisServer, prefix: str, tickets: int) -> RedisTaskClaimStore:
-    store = RedisTaskClaimStore(client=redis_server.client(), lanes=[TENANTS], prefix=prefix)
+def _store(store_server: RedisServer, prefix: str, tickets: int) -> RedisTaskClaimStore:
+    store = RedisTaskClaimStore(client=store_server.client(), lanes=[TENANTS], prefix=prefix)
     for ticket in range(1, tickets + 1):
         store.enqueue(ticket, "exports", next_run_at=T0 - timedelta(seconds=1))
     return store
@@ -30,10 +32,10 @@ def _candidates(*tickets: int) -> list[TaskClaimCandidate]:
 
 
 def test_a_key_at_its_limit_is_skipped_and_the_next_key_gets_the_slot(
-    redis_server: RedisServer, key_prefix: str
+    store_server: RedisServer, key_prefix: str
 ) -> None:
     # Given a lane of limit 4 with 1 per key, and five candidates: a, a, b, c, a
-    store = _store(redis_server, key_prefix, 5)
+    store = _store(store_server, key_prefix, 5)
 
     # When they are claimed in one pass
     claimed = store.claim_candidates_for_lane(
@@ -55,9 +57,9 @@ def test_a_key_at_its_limit_is_skipped_and_the_next_key_gets_the_slot(
     assert [c.task_id for c in more] == [5]
 
 
-def test_the_lane_limit_still_holds_across_keys(redis_server: RedisServer, key_prefix: str) -> None:
+def test_the_lane_limit_still_holds_across_keys(store_server: RedisServer, key_prefix: str) -> None:
     # Given six candidates of six keys, 2 per key allowed, lane limit 4
-    store = _store(redis_server, key_prefix, 6)
+    store = _store(store_server, key_prefix, 6)
 
     # When they are claimed
     claimed = store.claim_candidates_for_lane(
@@ -68,9 +70,9 @@ def test_the_lane_limit_still_holds_across_keys(redis_server: RedisServer, key_p
     assert [c.task_id for c in claimed] == [1, 2, 3, 4]
 
 
-def test_an_expired_lease_frees_its_key_slot(redis_server: RedisServer, key_prefix: str) -> None:
+def test_an_expired_lease_frees_its_key_slot(store_server: RedisServer, key_prefix: str) -> None:
     # Given key a held by ticket 1 until LEASE (its holder crashed: nobody renews it)
-    store = _store(redis_server, key_prefix, 2)
+    store = _store(store_server, key_prefix, 2)
     store.claim_candidates_for_lane(
         TENANTS, _candidates(1), T0, T0, LEASE, keys=["a"], limit_per_key=1
     )
@@ -96,10 +98,10 @@ def test_an_expired_lease_frees_its_key_slot(redis_server: RedisServer, key_pref
 
 
 def test_a_released_or_completed_slot_leaves_nothing_of_its_key(
-    redis_server: RedisServer, key_prefix: str
+    store_server: RedisServer, key_prefix: str
 ) -> None:
     # Given two keyed slots claimed
-    store = _store(redis_server, key_prefix, 2)
+    store = _store(store_server, key_prefix, 2)
     store.claim_candidates_for_lane(
         TENANTS,
         _candidates(1, 2),
@@ -133,12 +135,12 @@ def test_a_released_or_completed_slot_leaves_nothing_of_its_key(
     assert [c.task_id for c in again] == [1]
 
 
-def test_a_keyed_pass_is_one_round_trip_of_one_command(redis_server: RedisServer) -> None:
+def test_a_keyed_pass_is_one_round_trip_of_one_command(store_server: RedisServer) -> None:
     # Given a store whose script is loaded and 50 due tickets
-    store = _store(redis_server, "keyedonetrip", 50)
+    store = _store(store_server, "keyedonetrip", 50)
     store.claim_candidates_for_lane(TENANTS, [], T0, T0, LEASE)
     lane = TaskLaneConfig("exports", ("exports",), 50)
-    observer = redis_server.client()
+    observer = store_server.client()
     before = command_calls(observer)
 
     # When 50 candidates of 10 keys are claimed
@@ -176,10 +178,10 @@ def test_a_keyed_pass_is_one_round_trip_of_one_command(redis_server: RedisServer
     ],
 )
 def test_bad_keys_are_refused_and_change_nothing(
-    redis_server: RedisServer, key_prefix: str, keys: object, limit_per_key: object, message: str
+    store_server: RedisServer, key_prefix: str, keys: object, limit_per_key: object, message: str
 ) -> None:
     # Given two due tickets
-    store = _store(redis_server, key_prefix, 2)
+    store = _store(store_server, key_prefix, 2)
     before = redis_dump(store.client, key_prefix)
 
     # When a pass is asked with bad keys, Then it is refused and nothing changed

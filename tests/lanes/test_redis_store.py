@@ -15,7 +15,13 @@ from celery_claims.lanes import CodecError, IoError, LeaseLost, TaskClaimCandida
 from celery_claims.lanes.keys import member
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from tests.lanes.conftest import LANES, MAIL, T0
-from tests.servers import RedisClusterNodes, RedisServer, command_calls, free_port
+from tests.servers import (
+    RedisClusterNodes,
+    RedisServer,
+    command_calls,
+    free_port,
+    on_every_server,
+)
 
 LEASE = T0 + timedelta(seconds=30)
 
@@ -24,10 +30,11 @@ LEASE = T0 + timedelta(seconds=30)
 SCRIPT_INTERNAL = {"hget", "hset", "zadd", "zrem", "zcount"}
 
 
-def test_claiming_a_batch_is_one_round_trip_of_one_command(redis_server: RedisServer) -> None:
+@on_every_server
+def test_claiming_a_batch_is_one_round_trip_of_one_command(store_server: RedisServer) -> None:
     # Given a store whose scripts are loaded, and 100 due tasks
-    client = redis_server.client()
-    observer = redis_server.client()
+    client = store_server.client()
+    observer = store_server.client()
     store = RedisTaskClaimStore(client=client, lanes=LANES, prefix="onetrip")
     store.claim_candidates_for_lane(MAIL, [], T0, T0, LEASE)
     store.enqueue(1000, "send_sms", next_run_at=T0)
@@ -52,21 +59,22 @@ def test_claiming_a_batch_is_one_round_trip_of_one_command(redis_server: RedisSe
     observer.close()
 
 
+@on_every_server
 def test_worker_that_claimed_a_task_settles_it_in_one_round_trip(
-    redis_server: RedisServer, key_prefix: str
+    store_server: RedisServer, key_prefix: str
 ) -> None:
     # Given a task enqueued by a producer and claimed by a worker (two stores, two processes)
-    producer = RedisTaskClaimStore(client=redis_server.client(), lanes=LANES, prefix=key_prefix)
+    producer = RedisTaskClaimStore(client=store_server.client(), lanes=LANES, prefix=key_prefix)
     producer.enqueue(1, "send_email", next_run_at=T0)
     producer.enqueue(2, "send_email", next_run_at=T0)
-    client = redis_server.client()
+    client = store_server.client()
     worker = RedisTaskClaimStore(client=client, lanes=LANES, prefix=key_prefix)
     candidates = [TaskClaimCandidate(0, 1, 0, 1), TaskClaimCandidate(1, 2, 0, 1)]
     worker.claim_candidates_for_lane(MAIL, candidates, T0, T0, LEASE)
     # settling task 2 loads both scripts, so the count below sees no SCRIPT LOAD
     worker.heartbeat(2, 1, lease_expires_at=LEASE)
     worker.complete(2, 1)
-    observer = redis_server.client()
+    observer = store_server.client()
     before = command_calls(observer)
 
     # When the worker renews and completes it
@@ -85,6 +93,7 @@ def test_worker_that_claimed_a_task_settles_it_in_one_round_trip(
         c.close()
 
 
+@on_every_server
 def test_script_cache_flush_is_survived(plain_redis: redis.Redis, key_prefix: str) -> None:
     # Given a store whose scripts are loaded, then a SCRIPT FLUSH
     store = RedisTaskClaimStore(client=plain_redis, lanes=LANES, prefix=key_prefix)
@@ -128,16 +137,17 @@ def test_every_key_of_a_lane_is_in_one_cluster_slot(redis_cluster: RedisClusterN
     client.close()
 
 
-def test_decode_responses_does_not_change_what_is_stored(redis_server: RedisServer) -> None:
+@on_every_server
+def test_decode_responses_does_not_change_what_is_stored(store_server: RedisServer) -> None:
     # Given the same operations through a bytes client and a decoding client
     dumps = []
     for decode in (False, True):
-        client = redis_server.client(decode_responses=decode)
+        client = store_server.client(decode_responses=decode)
         prefix = f"decode{int(decode)}"
         store = RedisTaskClaimStore(client=client, lanes=LANES, prefix=prefix)
         store.enqueue(1, "send_email", next_run_at=T0, payload="ünïcode")
         store.claim_candidates_for_lane(MAIL, [TaskClaimCandidate(0, 1, 0, 1)], T0, T0, LEASE)
-        raw = redis_server.client()
+        raw = store_server.client()
         dumps.append(raw.hget(store.lane_keys("mail").tasks, member(1)))
         raw.close()
         client.close()
@@ -159,6 +169,7 @@ def test_unreachable_redis_raises_io_error_with_the_driver_error_as_cause() -> N
         store.claim_candidates_for_lane(MAIL, [TaskClaimCandidate(0, 1, 0, 1)], T0, T0, LEASE)
 
 
+@on_every_server
 def test_corrupt_record_raises_codec_error(plain_redis: redis.Redis, key_prefix: str) -> None:
     store = RedisTaskClaimStore(client=plain_redis, lanes=LANES, prefix=key_prefix)
     store.enqueue(1, "send_email", next_run_at=T0)
@@ -167,15 +178,17 @@ def test_corrupt_record_raises_codec_error(plain_redis: redis.Redis, key_prefix:
         store.get_task(1)
 
 
+@on_every_server
 def test_store_built_from_url_owns_and_closes_its_client(
-    redis_server: RedisServer, key_prefix: str
+    store_server: RedisServer, key_prefix: str
 ) -> None:
-    store = RedisTaskClaimStore(url=redis_server.url, lanes=LANES, prefix=key_prefix)
+    store = RedisTaskClaimStore(url=store_server.url, lanes=LANES, prefix=key_prefix)
     store.enqueue(1, "send_email", next_run_at=T0)
     assert store.get_task(1) is not None
     store.close()
 
 
+@on_every_server
 def test_interrupted_enqueue_can_be_repeated(plain_redis: redis.Redis, key_prefix: str) -> None:
     # Given an enqueue that wrote the id index but died before the lane script
     store = RedisTaskClaimStore(client=plain_redis, lanes=LANES, prefix=key_prefix)
@@ -190,11 +203,12 @@ def test_interrupted_enqueue_can_be_repeated(plain_redis: redis.Redis, key_prefi
     assert [task.id for task in listed] == [1]
 
 
+@on_every_server
 def test_heartbeat_many_renews_every_live_lease_in_one_pipeline_and_reports_each_lost_one(
-    redis_server: RedisServer, key_prefix: str
+    store_server: RedisServer, key_prefix: str
 ) -> None:
     # Given three claimed tasks, one of them claimed again since (its first attempt is stale)
-    client = redis_server.client()
+    client = store_server.client()
     store = RedisTaskClaimStore(client=client, lanes=LANES, prefix=key_prefix)
     for task_id in (1, 2, 3):
         store.enqueue(task_id, "send_email", next_run_at=T0)
@@ -205,7 +219,7 @@ def test_heartbeat_many_renews_every_live_lease_in_one_pipeline_and_reports_each
     store.retry(3, 1, next_run_at=T0)
     store.claim_candidates_for_lane(wide, [TaskClaimCandidate(0, 3, 1, 2)], T0, T0, LEASE)
     store.heartbeat(1, 1, lease_expires_at=LEASE)  # loads the script outside the count
-    observer = redis_server.client()
+    observer = store_server.client()
     before = command_calls(observer)
 
     # When the first attempts of all three are renewed in one call

@@ -22,9 +22,10 @@ def queue() -> str:
 
 
 @pytest.fixture
-def claims(redis_server: RedisServer, key_prefix: str) -> Iterator[RedisClaimManager]:
-    """The test's view of the claim store the workers use (the private Redis, own prefix)."""
-    manager = RedisClaimManager(url=redis_server.url, prefix=key_prefix)
+def claims(store_server: RedisServer, key_prefix: str) -> Iterator[RedisClaimManager]:
+    """The test's view of the claim store the workers use (the session's private server,
+    the Redis unless the test runs on every server; a prefix of its own)."""
+    manager = RedisClaimManager(url=store_server.url, prefix=key_prefix)
     try:
         yield manager
     finally:
@@ -42,9 +43,10 @@ def fleet() -> Iterator[Fleet]:
 
 
 @pytest.fixture
-def private_redis() -> Iterator[RedisServer]:
-    """A Redis of this test alone (broker, result backend and claim store of its fleet)."""
-    with redis_server() as server:
+def private_redis(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    """A Redis of this test alone (broker, result backend and claim store of its fleet); a
+    Valkey when the test is parametrized so (``on_every_private_server``)."""
+    with redis_server(kind=getattr(request, "param", "redis")) as server:
         yield server
 
 

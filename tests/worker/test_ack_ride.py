@@ -22,7 +22,7 @@ import redis
 from celery_claims import ClaimNotFound, RedisClaimManager, StaleClaimToken
 from celery_claims.claims.journal import RedisJournal
 from celery_claims.worker.identity import Attempt, claim_task_id
-from tests.servers import RedisServer
+from tests.servers import RedisServer, on_every_private_server
 from tests.worker.helpers import close_app, in_process_worker, make_app, wait_for
 
 TASKS = 20
@@ -69,6 +69,7 @@ def store(private_redis: RedisServer, key_prefix: str) -> Iterator[RedisClaimMan
         yield manager
 
 
+@on_every_private_server
 def test_claims_and_completions_ride_kombus_own_round_trips(
     private_redis: RedisServer, store: RedisClaimManager, queue: str, key_prefix: str
 ) -> None:

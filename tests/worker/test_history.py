@@ -1,8 +1,8 @@
 """The task history never holds up the worker's loop, even while the claim store hangs.
 
-A held copy is recorded in its history while the claim store cannot be reached: exactly when a write to the
-store blocks until its socket timeout. Real ``celery worker`` subprocess (the history is bound
-to a worker by ``worker_ready``, which only the ``celery worker`` command sends); the claim
+A held copy is recorded in its history while the claim store cannot be reached: exactly when a write
+to the store blocks until its socket timeout. Real ``celery worker`` subprocess (the history is
+bound to a worker by ``worker_ready``, which only the ``celery worker`` command sends); the claim
 store is a private ``redis-server`` stopped with SIGSTOP, so it accepts connections and never
 answers, as a store that hangs or reloads does.
 """

@@ -12,7 +12,7 @@ from celery import Celery
 
 from celery_claims import RedisClaimManager
 from celery_claims.worker import signals
-from tests.servers import RedisServer
+from tests.servers import RedisServer, on_every_server
 from tests.worker.helpers import (
     LEASE_MS,
     close_app,
@@ -46,9 +46,9 @@ def recorder() -> Recorder:
 
 @pytest.fixture
 def app(
-    redis_server: RedisServer, queue: str, key_prefix: str, recorder: Recorder
+    store_server: RedisServer, queue: str, key_prefix: str, recorder: Recorder
 ) -> Iterator[Celery]:
-    app = make_app(redis_server.url, queue=queue, claims_prefix=key_prefix)
+    app = make_app(store_server.url, queue=queue, claims_prefix=key_prefix)
 
     @app.task(shared=False, name="t.echo")
     def echo(value: Any) -> Any:
@@ -112,8 +112,9 @@ def captured() -> Any:
         signals.task_held.disconnect(seen.on_held)
 
 
+@on_every_server
 def test_resent_completed_task_is_acked_without_running_and_keeps_the_first_result(
-    app: Celery, recorder: Recorder, captured: Captured, redis_server: RedisServer, queue: str
+    app: Celery, recorder: Recorder, captured: Captured, store_server: RedisServer, queue: str
 ) -> None:
     # Given a task that completed once
     echo = app.tasks["t.echo"]
@@ -130,11 +131,12 @@ def test_resent_completed_task_is_acked_without_running_and_keeps_the_first_resu
         assert worker.claims.counters.get("skipped_done") == 1
         assert captured.skipped[0]["reason"] == "done"
         assert app.AsyncResult("done-1").get(timeout=5) == "first"
-        client = redis_server.client()
+        client = store_server.client()
         assert client.llen(queue) == 0
         assert client.hlen("unacked") == 0
 
 
+@on_every_server
 def test_retry_with_countdown_zero_runs_the_next_attempt_but_not_a_duplicate_of_the_first(
     app: Celery, recorder: Recorder, claims: RedisClaimManager, queue: str
 ) -> None:
@@ -228,6 +230,7 @@ def test_opted_out_and_celery_tasks_run_every_copy_without_a_claim(
         assert worker.claims.counters.snapshot() == {}
 
 
+@on_every_server
 def test_copy_held_by_a_live_lease_waits_then_is_acked_when_the_holder_completes(
     app: Celery, recorder: Recorder, claims: RedisClaimManager, captured: Captured, queue: str
 ) -> None:
@@ -261,6 +264,7 @@ def test_copy_held_by_a_live_lease_waits_then_is_acked_when_the_holder_completes
         assert worker.claims.counters.get("held") == 1
 
 
+@on_every_server
 def test_copy_held_by_a_dead_holder_is_taken_over_when_its_lease_expires(
     app: Celery, recorder: Recorder, claims: RedisClaimManager, queue: str
 ) -> None:

@@ -16,15 +16,15 @@ from celery import Celery
 from celery_claims import RedisClaimManager
 from celery_claims.fencing import TaskClaim
 from celery_claims.worker import claim_acquired, current_claim, history_connected
-from tests.servers import RedisServer
+from tests.servers import RedisServer, on_every_server
 from tests.worker.helpers import close_app, in_process_worker, make_app, unique, wait_done
 from tests.worker.lanefleet import events, lanes_worker
 from tests.worker.processes import ROOT, Fleet
 
 
 @pytest.fixture
-def app(redis_server: RedisServer, queue: str, key_prefix: str) -> Iterator[Celery]:
-    app = make_app(redis_server.url, queue=queue, claims_prefix=key_prefix)
+def app(store_server: RedisServer, queue: str, key_prefix: str) -> Iterator[Celery]:
+    app = make_app(store_server.url, queue=queue, claims_prefix=key_prefix)
 
     @app.task(bind=True, shared=False, name="t.whoami")
     def whoami(self: Any) -> list[Any]:
@@ -42,6 +42,7 @@ def app(redis_server: RedisServer, queue: str, key_prefix: str) -> Iterator[Cele
         close_app(app)
 
 
+@on_every_server
 @pytest.mark.parametrize("pool", ["solo", "threads"])
 def test_task_code_sees_its_claim_and_fencing_number_in_thread_and_solo_pools(
     pool: str, app: Celery, queue: str, claims: RedisClaimManager
@@ -104,6 +105,7 @@ def test_a_retried_task_does_not_carry_its_claim_into_the_next_attempt(
     assert result == attempts[1].instance
 
 
+@on_every_server
 def test_claim_acquired_names_the_previous_owner_on_a_takeover(
     app: Celery, queue: str, claims: RedisClaimManager
 ) -> None:
