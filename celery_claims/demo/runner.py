@@ -431,7 +431,7 @@ class DemoReport:
             )
         return (
             f"private {Path(self.redis_binary).name} on "
-            f"{self.redis_url.split('//')[1].rstrip('/0')} "
+            f"{self.redis_url.split('//')[1].removesuffix('/0')} "
             f"(binary from {self.redis}: {self.redis_binary}), stopped at the end"
         )
 

