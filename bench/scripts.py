@@ -53,7 +53,8 @@ from celery_claims.demo.runner import private_redis  # noqa: E402
 from celery_claims.worker.transport.sender import ScriptCaller, _commands, _pack  # noqa: E402
 
 #: Writes the sources a checkout registers, as JSON {name: source}; run with that checkout first
-#: on sys.path (an earlier commit had ``claims/redis.py``'s ``_source``, not ``scripts.py``).
+#: on sys.path (an earlier commit had ``claims/redis.py``'s ``_source``, not ``scripts.py``, and
+#: its ``_SCRIPTS``, not ``claims/calls.py``'s ``SCRIPTS``).
 SOURCES = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -62,7 +63,11 @@ try:
     from celery_claims.claims.scripts import script_source
 except ImportError:
     script_source = claims_redis._source
-print(json.dumps({name: script_source(name) for name in claims_redis._SCRIPTS}))
+try:
+    from celery_claims.claims.calls import SCRIPTS as names
+except ImportError:
+    names = claims_redis._SCRIPTS
+print(json.dumps({name: script_source(name) for name in names}))
 """
 
 OWNER_HEAD = "celery@worker-7f9c8d6b5-x2k4q/12345/9f86d081."

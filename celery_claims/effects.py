@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import redis
 from redis.crc import key_slot
 
-from celery_claims.claims.redis import translate_errors
+from celery_claims.claims.calls import translate_errors
 from celery_claims.errors import BackendError, BackendUnavailable, InvalidArgument
 from celery_claims.model import ClaimToken
 from celery_claims.validation import require_fence, require_id, require_ms, require_token

@@ -29,8 +29,8 @@ from typing import Any
 
 from redis.commands.core import Script
 
+from celery_claims.claims.calls import RedisClient, ScriptCall, translate_errors
 from celery_claims.claims.keys import DEFAULT_PREFIX, QueueKeys, require_prefix
-from celery_claims.claims.redis import RedisClient, ScriptCall, translate_errors
 from celery_claims.errors import BackendError, InvalidArgument
 from celery_claims.validation import require_id, require_ms
 

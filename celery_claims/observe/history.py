@@ -39,8 +39,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from celery_claims.claims.calls import RedisClient, translate_errors
 from celery_claims.claims.keys import escape, require_prefix
-from celery_claims.claims.redis import RedisClient, translate_errors
 from celery_claims.errors import InvalidArgument
 from celery_claims.validation import require_id
 

@@ -14,13 +14,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from celery_claims.claims.calls import RedisClient, translate_errors
 from celery_claims.claims.keys import escape, owner_task_key, require_prefix
-from celery_claims.claims.redis import (
-    RedisClaimManager,
-    RedisClient,
-    StoredTask,
-    translate_errors,
-)
+from celery_claims.claims.redis import RedisClaimManager, StoredTask
 from celery_claims.model import GivenUp
 from celery_claims.observe.history import History, HistoryEvent
 from celery_claims.validation import require_id

@@ -20,7 +20,7 @@ from celery_claims import (
     RedisClaimManager,
     Success,
 )
-from celery_claims.claims.redis import MANY_MAX_CALLS, ScriptCall, many_call
+from celery_claims.claims.calls import MANY_MAX_CALLS, ScriptCall, many_call
 from celery_claims.testing import ManualClock
 from tests.contract.conftest import redis_snapshot
 from tests.servers import RedisClusterNodes

@@ -8,7 +8,7 @@ import re
 import pytest
 import redis
 
-from celery_claims.claims.redis import _SCRIPTS
+from celery_claims.claims.calls import SCRIPTS
 from celery_claims.claims.scripts import (
     _preamble,
     _split,
@@ -30,7 +30,7 @@ def base36(n: int) -> str:
             return out
 
 
-@pytest.mark.parametrize("name", _SCRIPTS)
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_each_script_carries_every_preamble_definition_it_names_and_loads(
     name: str, redis_client: redis.Redis
 ) -> None:

@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from celery_claims import RedisClaimManager
-from celery_claims.claims.redis import ScriptCall
+from celery_claims.claims.calls import ScriptCall
 from celery_claims.model import GateResult, Success
 from celery_claims.worker.transport.broker import BrokerRide
 from tests.servers import RedisServer, command_calls, redis_server

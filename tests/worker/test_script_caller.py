@@ -22,7 +22,7 @@ import redis.sentinel
 from celery import Celery
 
 from celery_claims import ClaimToken, RedisClaimManager
-from celery_claims.claims.redis import ScriptCall
+from celery_claims.claims.calls import ScriptCall
 from celery_claims.errors import InsufficientReplicas, InvalidArgument
 from celery_claims.model import Success
 from celery_claims.worker.runtime import ClaimsRuntime

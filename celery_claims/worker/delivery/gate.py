@@ -32,7 +32,7 @@ from typing import Any
 
 from celery.utils.log import get_logger
 
-from celery_claims.claims.redis import ScriptCall
+from celery_claims.claims.calls import ScriptCall
 from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument, KeyRefused
 from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver

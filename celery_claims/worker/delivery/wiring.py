@@ -6,7 +6,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from celery_claims.claims.redis import RedisClaimManager, ScriptCall
+from celery_claims.claims.calls import ScriptCall
+from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.worker.delivery.copy import Copy
 from celery_claims.worker.delivery.lanes import WorkerLanes
 from celery_claims.worker.delivery.slots import SlotLedger

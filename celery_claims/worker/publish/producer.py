@@ -15,8 +15,8 @@ from typing import Any
 from celery.signals import before_task_publish
 from celery.utils.log import get_logger
 
+from celery_claims.claims.calls import ScriptCall, translate_errors
 from celery_claims.claims.journal import RedisJournal
-from celery_claims.claims.redis import ScriptCall, translate_errors
 from celery_claims.connection import close as close_client
 from celery_claims.errors import ClaimError, InvalidArgument
 from celery_claims.worker.compat import close_with, wrap_send_task, wrap_task_sender

@@ -22,7 +22,7 @@ from celery.utils.log import get_logger
 from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils import json
 
-from celery_claims.claims.redis import ScriptCall
+from celery_claims.claims.calls import ScriptCall
 from celery_claims.connection import server_of
 from celery_claims.worker.compat import close_with
 from celery_claims.worker.transport.sender import ScriptCaller

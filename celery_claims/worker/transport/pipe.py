@@ -56,7 +56,8 @@ import redis
 import redis.exceptions as redis_errors
 from celery.utils.log import get_logger
 
-from celery_claims.claims.redis import MANY_MAX_CALLS, RedisClaimManager, ScriptCall, many_call
+from celery_claims.claims.calls import MANY_MAX_CALLS, ScriptCall, many_call
+from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable, socket_of
 from celery_claims.errors import BackendError, BackendUnavailable, ClaimError
 

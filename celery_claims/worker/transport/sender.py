@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 import redis
 
-from celery_claims.claims.redis import RedisClaimManager, ScriptCall
+from celery_claims.claims.calls import ScriptCall
+from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import socket_of
 from celery_claims.errors import BackendUnavailable, InvalidArgument
 
