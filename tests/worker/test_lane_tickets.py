@@ -11,7 +11,7 @@ from celery import Celery
 
 from celery_claims.lanes import TaskClaimCandidate, TaskLaneConfig
 from celery_claims.lanes.redis import RedisTaskClaimStore
-from celery_claims.worker.delivery.lanes import TICKET_GRACE_LEASES
+from celery_claims.worker.delivery.lane_tickets import TICKET_GRACE_LEASES
 from tests.servers import RedisServer
 from tests.worker.helpers import (
     LEASE_MS,

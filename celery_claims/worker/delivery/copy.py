@@ -9,7 +9,7 @@ from typing import Any
 
 from celery_claims.model import ClaimToken
 from celery_claims.worker.delivery.keyed import KeyedClaim
-from celery_claims.worker.delivery.lanes import LaneSlot
+from celery_claims.worker.delivery.lane_model import LaneSlot
 from celery_claims.worker.delivery.state import State
 from celery_claims.worker.transport.broker import Delivery
 

@@ -47,21 +47,17 @@ import contextlib
 import inspect
 import itertools
 import math
-import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from celery.utils.log import get_logger
 
-from celery_claims.errors import InvalidValueError, LeaseLost, TaskCoreError, TaskNotFound
+from celery_claims.errors import LeaseLost, TaskCoreError, TaskNotFound
 from celery_claims.lanes.dispatch import claim_due_for_lane, utc_now
 from celery_claims.lanes.model import (
-    MAX_TASK_ID,
     ClaimedTask,
     TaskClaimCandidate,
     TaskLaneConfig,
@@ -71,85 +67,14 @@ from celery_claims.lanes.model import (
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.worker import signals
 from celery_claims.worker.delivery.keyed import key_text, signature_of
-from celery_claims.worker.settings import ClaimsSettings, LaneSpec
+from celery_claims.worker.delivery.lane_model import Lane, LaneSlot, LaneWaiter
+from celery_claims.worker.delivery.lane_tickets import LaneTickets
+from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.transport.loop import on_loop_soon
 
-__all__ = ["Lane", "LaneSlot", "LaneWaiter", "Ticket", "WorkerLaneView", "WorkerLanes"]
+__all__ = ["WorkerLaneView", "WorkerLanes"]
 
 logger = get_logger("celery_claims.worker")
-
-#: Attempts at a fresh random ticket id before giving up (a collision is ~2**-40 likely).
-_ID_ATTEMPTS = 5
-
-#: Lane leases a ticket may sit unclaimed, unreleased and unrenewed before the purge removes
-#: it. A live worker renews its running tickets several times per lease, so only a worker
-#: gone (or stalled for that long) loses one, and losing one costs it a new ticket, nothing
-#: more: the slot had been free to the fleet since its lease expired.
-TICKET_GRACE_LEASES = 5
-
-#: The most tickets of one lane one purge by a worker removes (the next one goes on).
-TICKET_PURGE_LIMIT = 1000
-
-
-@dataclass(eq=False)
-class Ticket:
-    """A lane-store record this worker claims to hold one slot of a lane.
-
-    Attributes:
-        id: the record's id in the lane store.
-        token: its current processing token (the next claim expects it).
-    """
-
-    id: int
-    token: int
-
-
-@dataclass(eq=False)
-class LaneSlot:
-    """A slot a running task holds: the lane and the claimed ticket."""
-
-    lane: Lane
-    ticket: Ticket
-    released: bool = False
-
-
-@dataclass(eq=False)
-class LaneWaiter:
-    """A claimed message waiting for a slot of its lane.
-
-    Attributes:
-        request: the worker's ``Request``.
-        claim: its :class:`~celery_claims.worker.delivery.lifecycle.Copy`.
-        since: when it started waiting (``time.monotonic()``).
-        held: its prefetch slot was given back (the lane was full on a pass).
-        ticket: the ticket it will claim, once it is among the first ``limit`` waiting.
-        key: its key in a keyed lane (``""`` in a lane without a key).
-    """
-
-    request: Any
-    claim: Any
-    since: float = field(default_factory=time.monotonic)
-    held: bool = False
-    ticket: Ticket | None = None
-    key: str = ""
-
-
-class Lane:
-    """The state of one lane in one worker."""
-
-    def __init__(self, spec: LaneSpec) -> None:
-        self.spec = spec
-        self.name = spec.name
-        self.kind = spec.name
-        self.config: TaskLaneConfig[str, str] = TaskLaneConfig(
-            lane=spec.name, kinds=(spec.name,), limit=spec.limit
-        )
-        self.waiting: deque[LaneWaiter] = deque()
-        self.free: list[Ticket] = []
-        self.timer_entry: Any = None
-        self.pass_at: float | None = None
-        self.soon = False
-        self.delay_ms = 0
 
 
 class WorkerLaneView:
@@ -210,7 +135,7 @@ class WorkerLaneView:
         )
 
 
-class WorkerLanes:
+class WorkerLanes(LaneTickets):
     """The lanes of one worker: waiting messages, tickets, passes, slot release.
 
     Passes run in the consumer's event loop (the gate, the lane timers, ``hub.call_soon``);
@@ -504,78 +429,6 @@ class WorkerLanes:
         lane.soon = False
         self._safe_pass(lane, why)
 
-    # --- tickets ----------------------------------------------------------------------------
-
-    def take_ticket(self, lane: Lane) -> Ticket:
-        """A free ticket of ``lane``, creating one in the store if none is free.
-
-        Raises:
-            TaskCoreError: the store failed while creating one.
-        """
-        with self._lock:
-            if lane.free:
-                return lane.free.pop()
-        for _ in range(_ID_ATTEMPTS):
-            ticket_id = secrets.randbelow(MAX_TASK_ID) + 1
-            try:
-                # due a second ago: claimable by the pass that follows, on any clock reading
-                self.store.enqueue(
-                    ticket_id, lane.kind, next_run_at=utc_now() - timedelta(seconds=1)
-                )
-            except InvalidValueError:
-                continue  # the id is taken (astronomically unlikely): draw another
-            self.counters.incr("lane_tickets")
-            return Ticket(ticket_id, 0)
-        raise InvalidValueError(f"lane {lane.name!r}: no free ticket id after {_ID_ATTEMPTS} draws")
-
-    def give_back(self, lane: Lane, ticket: Ticket) -> None:
-        """Return an unclaimed ticket to the free list."""
-        with self._lock:
-            lane.free.append(ticket)
-
-    def purge(self, limit: int = TICKET_PURGE_LIMIT) -> int:
-        """Remove from the store the tickets of every lane that nobody claimed, gave back or
-        renewed for :data:`TICKET_GRACE_LEASES` lane leases (any thread).
-
-        Each is removed atomically, only if still idle (see
-        :meth:`~celery_claims.lanes.redis.RedisTaskClaimStore.purge_stale`); one of this
-        worker's own free tickets among them leaves its free list too.
-
-        Args:
-            limit: the most tickets removed per lane.
-
-        Returns:
-            How many were removed.
-
-        Raises:
-            TaskCoreError: the store failed (tickets of earlier lanes may be removed).
-        """
-        stale_before = utc_now() - timedelta(seconds=self.stale_secs * TICKET_GRACE_LEASES)
-        removed = 0
-        for lane in self.lanes.values():
-            gone = set(self.store.purge_stale(lane.config, stale_before=stale_before, limit=limit))
-            if not gone:
-                continue
-            removed += len(gone)
-            with self._lock:
-                lane.free = [ticket for ticket in lane.free if ticket.id not in gone]
-            logger.info("Lane %s: purged %d stale ticket(s)", lane.name, len(gone))
-        if removed:
-            self.counters.incr("lane_tickets_purged", removed)
-        return removed
-
-    def purge_due(self) -> None:
-        """Run :meth:`purge` if a lane lease has passed since the last one (the lease keeper
-        calls this every beat; the first call purges at once)."""
-        now = time.monotonic()
-        if now < self.purge_at:
-            return
-        self.purge_at = now + self.stale_secs
-        try:
-            self.purge()
-        except TaskCoreError as exc:
-            logger.warning("Lane keeper: could not purge stale tickets now: %s", exc)
-
     # --- running tasks (any thread) ---------------------------------------------------------
 
     def release(self, slot: LaneSlot) -> None:
@@ -599,27 +452,6 @@ class WorkerLanes:
         self.counters.incr("lane_released")
         self.give_back(slot.lane, ticket)
         self.wake(slot.lane)
-
-    def heartbeat(self, slots: Sequence[LaneSlot]) -> None:
-        """Renew the lane leases of running tasks (one batched round trip per call)."""
-        live = [s for s in slots if not s.released]
-        if not live:
-            return
-        lease = utc_now() + timedelta(seconds=self.stale_secs)
-        try:
-            results = self.store.heartbeat_many(
-                [(s.ticket.id, s.ticket.token) for s in live], lease_expires_at=lease
-            )
-        except TaskCoreError as exc:
-            self.counters.incr("lane_renew_unavailable")
-            logger.warning("Lane keeper: lane store unavailable: %s", exc)
-            return
-        for slot, error in zip(live, results, strict=True):
-            if error is None:
-                self.counters.incr("lane_renewals")
-            elif isinstance(error, (LeaseLost, TaskNotFound)):
-                self.counters.incr("lane_lease_lost")
-                logger.warning("Lane %s: a running task's slot lease was lost", slot.lane.name)
 
     # --- a waiting message leaves without a slot (event loop) -------------------------------
 

@@ -53,7 +53,8 @@ from celery_claims.worker.delivery.endings import Endings
 from celery_claims.worker.delivery.guard import ClaimUnverified, StaleCopy
 from celery_claims.worker.delivery.holds import Holds
 from celery_claims.worker.delivery.keyed import KeyedClaim
-from celery_claims.worker.delivery.lanes import Lane, LaneSlot, WorkerLanes
+from celery_claims.worker.delivery.lane_model import Lane, LaneSlot
+from celery_claims.worker.delivery.lanes import WorkerLanes
 from celery_claims.worker.delivery.losses import Losses
 from celery_claims.worker.delivery.registry import Registry
 from celery_claims.worker.delivery.state import RENEWED, IllegalMove, State
