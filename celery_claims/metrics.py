@@ -23,7 +23,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import start_http_server
@@ -32,7 +32,12 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import ClaimError, InvalidArgument
-from celery_claims.observe.views import DEFAULT_TOP_KEYS, lane_occupancy, server_now_ms
+from celery_claims.observe.views import (
+    DEFAULT_TOP_KEYS,
+    LaneOccupancy,
+    lane_occupancy,
+    server_now_ms,
+)
 from celery_claims.worker.settings import parse_ports
 
 __all__ = [
@@ -222,51 +227,63 @@ class StoreCollector(Collector):
             return
         up.add_metric([], 1)
         yield up
-        for name in _STORE_FIELDS:
-            family = CounterMetricFamily(
-                f"celery_claims_store_{name}",
-                f"Claim store counter '{name}' of each queue (all workers).",
-                labels=["queue"],
-            )
-            for queue, stats in per_queue.items():
-                family.add_metric([queue], getattr(stats, name))
-            yield family
-        gauge = GaugeMetricFamily(
-            "celery_claims_live_claims",
-            "Live claims of each queue (all workers).",
+        yield from _store_families(per_queue, live)
+        yield from _lane_families(lanes, self.lane_limits)
+
+
+def _store_families(
+    per_queue: Mapping[str, Any], live: Mapping[str, int]
+) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """The claim store's counters and live claims of each queue."""
+    for name in _STORE_FIELDS:
+        family = CounterMetricFamily(
+            f"celery_claims_store_{name}",
+            f"Claim store counter '{name}' of each queue (all workers).",
             labels=["queue"],
         )
-        for queue, count in live.items():
-            gauge.add_metric([queue], count)
-        yield gauge
-        active = GaugeMetricFamily(
-            "celery_claims_lane_active",
-            "Tasks processing in each lane now.",
-            labels=["lane", "kind"],
-        )
-        waiting = GaugeMetricFamily(
-            "celery_claims_lane_waiting", "Tasks waiting in each lane.", labels=["lane", "kind"]
-        )
-        per_key = GaugeMetricFamily(
-            "celery_claims_lane_key_active",
-            f"Tasks processing now per key of each keyed lane, for its {DEFAULT_TOP_KEYS} "
-            f"busiest keys only (bounded label cardinality).",
-            labels=["lane", "key"],
-        )
-        for lane in lanes:
-            active.add_metric([lane.lane, lane.kind], lane.active)
-            waiting.add_metric([lane.lane, lane.kind], lane.waiting)
-            for key, count in lane.keys:
-                per_key.add_metric([lane.lane, key], count)
-        yield active
-        yield waiting
-        yield per_key
-        limit = GaugeMetricFamily(
-            "celery_claims_lane_limit", "Limit of each lane.", labels=["lane"]
-        )
-        for lane_key, value in sorted(self.lane_limits.items()):
-            limit.add_metric([lane_key], value)
-        yield limit
+        for queue, stats in per_queue.items():
+            family.add_metric([queue], getattr(stats, name))
+        yield family
+    gauge = GaugeMetricFamily(
+        "celery_claims_live_claims",
+        "Live claims of each queue (all workers).",
+        labels=["queue"],
+    )
+    for queue, count in live.items():
+        gauge.add_metric([queue], count)
+    yield gauge
+
+
+def _lane_families(
+    lanes: Sequence[LaneOccupancy], lane_limits: Mapping[str, int]
+) -> Iterator[GaugeMetricFamily]:
+    """Each lane's active and waiting tasks, its busiest keys, and its limit."""
+    active = GaugeMetricFamily(
+        "celery_claims_lane_active",
+        "Tasks processing in each lane now.",
+        labels=["lane", "kind"],
+    )
+    waiting = GaugeMetricFamily(
+        "celery_claims_lane_waiting", "Tasks waiting in each lane.", labels=["lane", "kind"]
+    )
+    per_key = GaugeMetricFamily(
+        "celery_claims_lane_key_active",
+        f"Tasks processing now per key of each keyed lane, for its {DEFAULT_TOP_KEYS} "
+        f"busiest keys only (bounded label cardinality).",
+        labels=["lane", "key"],
+    )
+    for lane in lanes:
+        active.add_metric([lane.lane, lane.kind], lane.active)
+        waiting.add_metric([lane.lane, lane.kind], lane.waiting)
+        for key, count in lane.keys:
+            per_key.add_metric([lane.lane, key], count)
+    yield active
+    yield waiting
+    yield per_key
+    limit = GaugeMetricFamily("celery_claims_lane_limit", "Limit of each lane.", labels=["lane"])
+    for lane_key, value in sorted(lane_limits.items()):
+        limit.add_metric([lane_key], value)
+    yield limit
 
 
 def _serve(registry: CollectorRegistry, port: int, addr: str) -> tuple[Any, int]:
