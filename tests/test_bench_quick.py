@@ -63,3 +63,18 @@ def test_the_script_benchmark_quick_mode_measures_each_script_and_the_kept_call(
     client = [line for line in done.stdout.splitlines() if "kept connection" in line]
     assert len(client) == 2
     assert all("raw socket" in line for line in client)
+
+
+def test_the_rate_benchmark_quick_mode_measures_each_rate_call_against_the_claim() -> None:
+    # Given the rate benchmark in quick mode (it asserts each call was allowed or refused as
+    # its variant says)
+    args = [sys.executable, "bench/rates.py", "--quick"]
+
+    # When it runs
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=110, check=False)
+
+    # Then it printed the claim's server time and each rate variant's against it
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("  ")]
+    assert [line[0] for line in lines] == ["floor", "claim", "rate1", "rate1-refused", "rate3"]
+    assert all(line[-1] == "claim)" and line[-2].endswith("x") for line in lines[2:])

@@ -9,17 +9,19 @@ import pytest
 
 import celery_claims
 import celery_claims.lanes
+import celery_claims.rates
 
 
 def test_every_exported_name_resolves() -> None:
-    for module in (celery_claims, celery_claims.lanes):
+    for module in (celery_claims, celery_claims.lanes, celery_claims.rates):
         missing = [name for name in module.__all__ if not hasattr(module, name)]
         assert missing == [], f"{module.__name__} exports missing names {missing}"
 
 
 def test_importing_the_core_does_not_import_celery_or_kombu() -> None:
     code = (
-        "import sys, celery_claims, celery_claims.lanes, celery_claims.lanes.redis;"
+        "import sys, celery_claims, celery_claims.lanes, celery_claims.lanes.redis, "
+        "celery_claims.rates;"
         "print(sorted(m for m in ('celery', 'kombu') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -184,6 +184,15 @@ class QueueKeys:
         """KEYS of cleanup.lua."""
         return [self.claims, self.stats, self.done, self.owners, self.sweep, *self.legacy_keys]
 
+    def rate(self, name: str) -> str:
+        """String: the state of the rate limit ``name`` (celery_claims.rates), under the
+        queue's hash tag so the queue's claim script can count a start against it.
+
+        ``<ms>`` or ``<ms>:<remainder>:<count>``: when the limit's next start is due (see
+        ``lua/_common.lua``, ``rate_commit``); it expires once that ms has passed.
+        """
+        return f"{self.tag}:r:{escape(name)}"
+
     # --- the publish journal (celery_claims.claims.journal) --------------------------------
 
     @cached_property

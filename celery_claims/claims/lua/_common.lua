@@ -284,3 +284,70 @@ local function release_claim(k, task, owner, instance, record_ttl, now_arg)
   end
   return 1
 end
+
+-- --- rates: the generic cell rate algorithm without burst (rates/memory.py is the spec) -----
+-- A rate key holds its limit's theoretical time of the next start (TAT), "ms" or
+-- "ms:remainder:count" (decimal; the remainder in 1/count ms, 0 < remainder < count). A start
+-- at now is allowed when ms <= now. A key lives until its ms has passed: after that it says
+-- no more than its absence. The functions take the offsets of their keys and rates in KEYS
+-- and ARGV, so a claim script can check and count a start's rates next to its own keys.
+
+local function rate_read(key)
+  local raw = redis.call('GET', key)
+  if not raw then
+    return nil
+  end
+  local ms, rem, count = string.match(raw, '^(%d+):(%d+):(%d+)$')
+  if ms then
+    return {ms = tonumber(ms), rem = tonumber(rem), count = tonumber(count)}
+  end
+  return {ms = tonumber(raw), rem = 0, count = 1}
+end
+
+-- The longest wait in ms of the n limits whose keys are keys[k0 + 1 .. k0 + n] (0: each
+-- allows a start at now), the index (1..n) of the first limit waiting it, and their states.
+-- Writes nothing: a refused start costs no limit anything.
+local function rate_check(keys, k0, n, now)
+  local states, wait, index = {}, 0, 0
+  for i = 1, n do
+    local s = rate_read(keys[k0 + i])
+    states[i] = s
+    if s and s.ms - now > wait then
+      wait, index = s.ms - now, i
+    end
+  end
+  return wait, index, states
+end
+
+-- Count a start at now against the n limits rate_check allowed: each TAT moves one interval
+-- (period / count, exactly: whole ms and a remainder in 1/count ms) past max(TAT, now).
+-- argv[a0 + 2i - 1] and argv[a0 + 2i] are limit i's count and period in ms; pad is added to
+-- each key's TTL. Returns each limit's next ms.
+local function rate_commit(keys, k0, argv, a0, states, n, now, pad)
+  local nexts = {}
+  for i = 1, n do
+    local count = tonumber(argv[a0 + 2 * i - 1])
+    local period = tonumber(argv[a0 + 2 * i])
+    local s = states[i]
+    local ms, rem = now, 0
+    if s and s.ms >= now then
+      -- a start as soon as allowed is placed at the TAT itself: no fraction is lost
+      ms, rem = s.ms, s.rem
+      if s.count ~= count then
+        -- the rate changed: the remainder in the new count's units, rounded up (never earlier)
+        rem = math.ceil(rem * count / s.count)
+      end
+    end
+    local fraction = period % count
+    ms, rem = ms + (period - fraction) / count, rem + fraction
+    local carry = math.floor(rem / count)
+    ms, rem = ms + carry, rem - carry * count
+    local value = fmt(ms)
+    if rem > 0 then
+      value = value .. ':' .. fmt(rem) .. ':' .. fmt(count)
+    end
+    redis.call('SET', keys[k0 + i], value, 'PX', fmt(ms - now + 1 + pad))
+    nexts[i] = ms
+  end
+  return nexts
+end
