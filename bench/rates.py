@@ -32,8 +32,8 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from celery_claims.claims.calls import SCRIPTS, ScriptCall  # noqa: E402
 from celery_claims.claims.keys import QueueKeys  # noqa: E402
-from celery_claims.claims.redis import _SCRIPTS, ScriptCall  # noqa: E402
 from celery_claims.claims.scripts import script_source  # noqa: E402
 from celery_claims.demo.runner import private_redis  # noqa: E402
 from celery_claims.rates import Limit, Rate, RedisRateLimiter  # noqa: E402
@@ -53,7 +53,7 @@ def fresh(client: redis.Redis) -> RedisRateLimiter:
     """An empty server with every claim script and the rate script loaded; the limiter."""
     client.flushall()
     client.script_flush()
-    for name in _SCRIPTS:
+    for name in SCRIPTS:
         client.script_load(script_source(name))
     return RedisRateLimiter(client=client)
 

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 from redis.commands.core import Script
 
+from celery_claims.claims.calls import RedisClient, ScriptCall, translate_errors
 from celery_claims.claims.keys import DEFAULT_PREFIX, QueueKeys, require_prefix
-from celery_claims.claims.redis import RedisClient, ScriptCall, translate_errors
 from celery_claims.claims.scripts import script_source
 from celery_claims.clock import Clock
 from celery_claims.connection import close as close_client
