@@ -55,16 +55,21 @@ class Endings:
         what happens to the message is Celery's handler's (:meth:`end_by_celery`)."""
         if copy.state is State.WAITING:
             self.turns.out_of_turn(copy)
-            slot, copy.lane_slot = copy.lane_slot, None
-            if self.w.lanes is not None:
-                self.w.lanes.forget(copy)
-                if slot is not None:  # granted, then waiting for its turn
-                    self.w.lanes.release(slot)
-            self.w.slots.take_back(copy)
+            self.leave_lane(copy)
             self.reg.move(copy, State.RELEASED)
         elif not self.leave_pool(copy, State.RELEASED, why):
             return
         self.release_claim(copy, why)
+
+    def leave_lane(self, copy: Copy) -> None:
+        """A claimed copy that never reached the pool leaves its lane (its waiting place, or
+        the slot it was granted while it waited for its turn) and takes its prefetch slot."""
+        slot, copy.lane_slot = copy.lane_slot, None
+        if self.w.lanes is not None:
+            self.w.lanes.forget(copy)
+            if slot is not None:  # granted, then waiting for its turn
+                self.w.lanes.release(slot)
+        self.w.slots.take_back(copy)
 
     def release_claim(self, copy: Copy, why: str) -> None:
         """Release the copy's claim in the store (best effort: an unreleased lease expires)."""

@@ -104,12 +104,7 @@ class Losses:
         out of its lane, through the gate again under a new owner."""
         if copy.state is not State.RECEIVED:
             return
-        slot, copy.lane_slot = copy.lane_slot, None
-        if self.w.lanes is not None:
-            self.w.lanes.forget(copy)
-            if slot is not None:  # granted, then waiting for its turn
-                self.w.lanes.release(slot)
-        self.w.slots.take_back(copy)
+        self.ends.leave_lane(copy)
         # a new owner: under its old one the copy would simply re-claim the task
         owner = new_owner(self.w.hostname)
         copy.owner = owner if copy.key is None else copy.key.owner(owner)
