@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 import os
 import pwd
@@ -527,6 +528,14 @@ class RedisSentinels:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def dying_with_us(command: list[str]) -> list[str]:
+    """``command`` asking the kernel to SIGTERM it when the test process dies (``setpriv
+    --pdeathsig``, Linux), so a run killed from outside, where no finalizer runs, leaves no
+    server behind; ``command`` as it is where ``setpriv`` is missing."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *command] if setpriv else command
+
+
 #: Seconds a private RabbitMQ node gets to accept AMQP after it was started (about 5 to 10 s
 #: here; more on a loaded machine).
 RABBITMQ_START_TIMEOUT_S = 60.0
@@ -626,7 +635,7 @@ class RabbitMQServer:
     def _command(self, script: str, *args: str, pdeathsig: bool = False) -> list[str]:
         command = [str(self.scripts / script), *args]
         if self.user is None:
-            return command
+            return dying_with_us(command) if pdeathsig else command
         setpriv = shutil.which("setpriv")
         if setpriv is None:
             missing_service("setpriv (util-linux), to run RabbitMQ as its user")
@@ -720,6 +729,80 @@ class RabbitMQServer:
 def rabbitmq_server(*, consumer_timeout_ms: int | None = None) -> Iterator[RabbitMQServer]:
     """A private RabbitMQ node for the ``with`` block."""
     server = RabbitMQServer(consumer_timeout_ms=consumer_timeout_ms)
+    try:
+        yield server.start()
+    finally:
+        server.cleanup()
+
+
+class MotoServer:
+    """A private moto server (``python -m moto.server``): Amazon SQS, in memory, on a free port.
+
+    What kombu's SQS transport needs to talk to it: ``url`` (kombu takes the endpoint from the
+    URL's host and port) and ``transport_options`` (plain HTTP, a region). kombu's SQS
+    consumer sends its requests through pycurl, which it does not install itself.
+    """
+
+    def __init__(self) -> None:
+        missing = [name for name in ("moto.server", "boto3", "pycurl", "flask")
+                   if importlib.util.find_spec(name.split(".")[0]) is None]  # fmt: skip
+        if missing:
+            missing_service(f"SQS through moto's server mode (missing: {', '.join(missing)})")
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="claims-moto-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_s = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"sqs://testing:testing@127.0.0.1:{self.port}"
+
+    @property
+    def transport_options(self) -> dict[str, object]:
+        return {"region": "us-east-1", "is_secure": False}
+
+    def start(self) -> MotoServer:
+        began = time.monotonic()
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        with (self.dir / "moto.log").open("wb") as out:
+            self.proc = subprocess.Popen(
+                dying_with_us(command),
+                cwd=self.dir,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = began + START_TIMEOUT_S
+        while True:
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                self.started_s = time.monotonic() - began
+                return self
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = (self.dir / "moto.log").read_text(errors="replace")[-3000:]
+                self.cleanup()
+                raise RuntimeError(f"moto server on port {self.port} did not start:\n{tail}")
+            time.sleep(0.05)
+
+    def cleanup(self) -> None:
+        """Stop the server by its pid (SIGTERM, then SIGKILL) and remove its folder."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(timeout=10)
+            self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[MotoServer]:
+    """A private moto (SQS) server for the ``with`` block."""
+    server = MotoServer()
     try:
         yield server.start()
     finally:

@@ -11,9 +11,11 @@ from kombu import Connection
 
 from celery_claims import RedisClaimManager
 from tests.servers import (
+    MotoServer,
     RabbitMQServer,
     RedisServer,
     missing_service,
+    moto_server,
     rabbitmq_server,
     redis_server,
 )
@@ -88,4 +90,13 @@ def private_rabbitmq(request: pytest.FixtureRequest) -> Iterator[RabbitMQServer]
     """
     consumer_timeout_ms = getattr(request, "param", None)
     with rabbitmq_server(consumer_timeout_ms=consumer_timeout_ms) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def private_sqs() -> Iterator[MotoServer]:
+    """Amazon SQS of this module alone: a moto server on a free port, stopped by its pid.
+    Tests sharing it use queues of their own (``queue``). Missing moto's server mode, boto3
+    or pycurl (kombu's SQS consumer needs it): a skip, or a failure under CI."""
+    with moto_server() as server:
         yield server

@@ -1,0 +1,68 @@
+"""Tasks longer than SQS's visibility timeout (issue 31), on a private moto server.
+
+SQS hides a received message for the queue's visibility timeout and shows it again if it was
+not deleted by then. kombu creates the queue with the ``visibility_timeout`` transport option
+(30 minutes by default) and never extends it while a task runs, so with ``task_acks_late`` a
+longer task's message is received again, and runs again, while the first run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.servers import MotoServer, RedisServer
+from tests.worker.helpers import wait_for
+from tests.worker.processes import Fleet, events_of, executions
+
+#: The queue's visibility timeout, in seconds (SQS counts whole seconds).
+VISIBILITY_TIMEOUT_S = 5
+#: Each task runs three times longer than that.
+TASK_S = 3 * VISIBILITY_TIMEOUT_S
+
+pytestmark = [pytest.mark.slow, pytest.mark.sqs, pytest.mark.timeout(240)]
+
+
+def transport_options(sqs: MotoServer) -> dict[str, Any]:
+    """kombu's SQS options: the moto server, the short visibility timeout, quick polls."""
+    return {
+        **sqs.transport_options,
+        "visibility_timeout": VISIBILITY_TIMEOUT_S,
+        "polling_interval": 0.5,
+        "wait_time_seconds": 1,
+    }
+
+
+def test_plain_celery_runs_a_task_again_while_it_outlives_the_visibility_timeout_on_sqs(
+    fleet: Fleet, private_sqs: MotoServer, private_redis: RedisServer, queue: str
+) -> None:
+    # Given a plain Celery worker (acks_late, prefork -c 2) on SQS whose messages stay
+    # hidden 5 s after they are received
+    options = transport_options(private_sqs)
+    conf = {"broker_transport_options": options}
+    fleet.worker(
+        "a",
+        broker=private_sqs.url,
+        backend=private_redis.url,
+        queue=queue,
+        plugin=False,
+        env={"CLAIMS_TEST_CONF": json.dumps(conf)},
+    ).wait_ready()
+    client = fleet.client(private_sqs.url, private_redis.url, queue, conf=conf)
+
+    # When it runs a task three times longer than that
+    result = client.send_task("fleet.sleep", (TASK_S,), task_id="long-1")
+
+    def runs(event: str, count: int) -> list[dict[str, Any]]:
+        entries = events_of(executions(private_redis.url, queue), event, "long-1")
+        return entries if len(entries) >= count else []
+
+    # Then the message shows again once the visibility timeout has passed, and the task runs a
+    # second time beside the first run (kombu never extends the timeout)
+    starts = wait_for(lambda: runs("start", 2), timeout=TASK_S + 30, what="a second run")
+    assert result.get(timeout=TASK_S + 30) == TASK_S
+    ends = wait_for(lambda: runs("end", 2), timeout=TASK_S + 30, what="the second run's end")
+    assert starts[1]["at"] - starts[0]["at"] >= VISIBILITY_TIMEOUT_S - 1, starts
+    assert starts[1]["at"] < ends[0]["at"], (starts, ends)
