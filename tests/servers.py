@@ -761,6 +761,26 @@ class MotoServer:
     def transport_options(self) -> dict[str, object]:
         return {"region": "us-east-1", "is_secure": False}
 
+    def messages(self, queue: str) -> tuple[int, int]:
+        """``(visible, in flight)`` messages of ``queue`` (SQS's approximate counts, exact on
+        moto)."""
+        import boto3  # optional: MotoServer() checked that it is installed
+
+        client = boto3.client(
+            "sqs",
+            endpoint_url=f"http://127.0.0.1:{self.port}",
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+        try:
+            url = client.get_queue_url(QueueName=queue)["QueueUrl"]
+            names = ["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"]
+            got = client.get_queue_attributes(QueueUrl=url, AttributeNames=names)["Attributes"]
+        finally:
+            client.close()
+        return int(got[names[0]]), int(got[names[1]])
+
     def start(self) -> MotoServer:
         began = time.monotonic()
         command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]

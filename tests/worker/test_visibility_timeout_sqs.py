@@ -3,7 +3,9 @@
 SQS hides a received message for the queue's visibility timeout and shows it again if it was
 not deleted by then. kombu creates the queue with the ``visibility_timeout`` transport option
 (30 minutes by default) and never extends it while a task runs, so with ``task_acks_late`` a
-longer task's message is received again, and runs again, while the first run goes on.
+longer task's message is received again, and runs again, while the first run goes on. With
+celery-claims the task runs once, but the message is received again at every timeout and each
+copy is held (unacked) until the run ends.
 """
 
 from __future__ import annotations
@@ -66,3 +68,36 @@ def test_plain_celery_runs_a_task_again_while_it_outlives_the_visibility_timeout
     ends = wait_for(lambda: runs("end", 2), timeout=TASK_S + 30, what="the second run's end")
     assert starts[1]["at"] - starts[0]["at"] >= VISIBILITY_TIMEOUT_S - 1, starts
     assert starts[1]["at"] < ends[0]["at"], (starts, ends)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 31: claims_ack_on_claim")
+def test_claims_worker_takes_a_task_longer_than_the_visibility_timeout_off_sqs_once(
+    fleet: Fleet, private_sqs: MotoServer, private_redis: RedisServer, queue: str
+) -> None:
+    # Given a worker with celery-claims (claims in a private Redis) on SQS whose messages stay
+    # hidden 5 s after they are received, and a claims-aware producer
+    store = private_redis.url
+    conf = {"broker_transport_options": transport_options(private_sqs)}
+    worker = fleet.worker(
+        "a",
+        broker=private_sqs.url,
+        backend=store,
+        queue=queue,
+        extra=("--claims-redis-url", store),
+        env={"CLAIMS_TEST_CONF": json.dumps(conf)},
+    ).wait_ready()
+    client = fleet.client(
+        private_sqs.url, store, queue, plugin=True, conf={**conf, "claims_redis_url": store}
+    )
+
+    # When it runs a task three times longer than that
+    result = client.send_task("fleet.sleep", (TASK_S,), task_id="long-1")
+
+    # Then the task runs once (true on main today), its message is received once: taken off
+    # the queue when the claim is taken, not shown again at every timeout and held (on main
+    # today it is received three times in 15 s), and the queue ends empty
+    assert result.get(timeout=TASK_S + 30) == TASK_S
+    log = executions(store, queue)
+    assert len(events_of(log, "start", "long-1")) == 1, log
+    assert worker.output().count("Task fleet.sleep[long-1] received") == 1, fleet.logs()
+    assert wait_for(lambda: private_sqs.messages(queue) == (0, 0), timeout=10)
