@@ -608,8 +608,10 @@ class RabbitMQServer:
             "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.dir / "advanced.config"),
             "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "enabled_plugins"),
             "RABBITMQ_FEATURE_FLAGS_FILE": str(self.dir / "feature_flags"),
-            # a node that starts epmd makes it listen on loopback only, as the machine's does
+            # loopback only, as the machine's node: epmd if this node starts one, and the
+            # distribution listeners of the node and of rabbitmqctl
             "ERL_EPMD_ADDRESS": "127.0.0.1",
+            "ERL_FLAGS": "-kernel inet_dist_use_interface {127,0,0,1}",
         }
 
     def _write_files(self) -> None:
