@@ -573,15 +573,18 @@ class RabbitMQServer:
         self.port = free_port()
         self.dist_port = free_port()
         self.node = f"claims-test-{os.urandom(4).hex()}@localhost"
-        self.dir = Path(tempfile.mkdtemp(prefix="claims-rabbitmq-"))
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_s = self.stopped_s = 0.0
         # as root, run as the package's user (as the machine's node does); otherwise as we are
         self.user: str | None = None
+        self.setpriv = shutil.which("setpriv")
         if os.geteuid() == 0:
             with contextlib.suppress(KeyError):
                 pwd.getpwnam("rabbitmq")
                 self.user = "rabbitmq"
+        if self.user is not None and self.setpriv is None:
+            missing_service("setpriv (util-linux), to run RabbitMQ as its user")
+        self.dir = Path(tempfile.mkdtemp(prefix="claims-rabbitmq-"))
 
     @property
     def url(self) -> str:
@@ -638,13 +641,10 @@ class RabbitMQServer:
         command = [str(self.scripts / script), *args]
         if self.user is None:
             return dying_with_us(command) if pdeathsig else command
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            missing_service("setpriv (util-linux), to run RabbitMQ as its user")
-        assert setpriv is not None
+        assert self.setpriv is not None
         # SIGTERM on the test process' death: the script stops the node gracefully
         death = ["--pdeathsig", "TERM"] if pdeathsig else []
-        return [setpriv, "--reuid", self.user, "--regid", self.user, "--init-groups", *death,
+        return [self.setpriv, "--reuid", self.user, "--regid", self.user, "--init-groups", *death,
                 "--", *command]  # fmt: skip
 
     def ctl(self, *args: str, timeout: float = 60) -> str:
