@@ -360,7 +360,7 @@ def check(ctx: click.Context, strict: bool, pool: str | None, queues: str, as_js
     """Check the app as a worker does when it starts: exit 2 with the worker's own error if
     it would refuse to start; report settings that weaken or defeat claims, each with its
     fix, and lanes that match nothing (needs the app)."""
-    from celery_claims.safety import Severity
+    from celery_claims.safety import Finding, Severity
     from celery_claims.worker.steps import check_start
 
     target = _target(ctx)
@@ -370,7 +370,10 @@ def check(ctx: click.Context, strict: bool, pool: str | None, queues: str, as_js
     with _errors(target):
         # the task modules a worker imports before it starts (imports, include)
         target.app.loader.import_default_modules()
-        _, findings = check_start(target.app, pool=pool, queues=consumed)
+        settings, findings = check_start(target.app, pool=pool, queues=consumed)
+        unsure = _check_durable(target.app, settings)
+    if unsure is not None:
+        findings.append(Finding("claims_ack_on_claim", Severity.WARNING, unsure))
     if as_json:
         _emit_json({"findings": [f.as_dict() for f in findings]})
     elif not findings:
@@ -385,6 +388,28 @@ def check(ctx: click.Context, strict: bool, pool: str | None, queues: str, as_js
     ]
     if failing:
         sys.exit(EXIT_NOT_FOUND)
+
+
+def _check_durable(app: Any, settings: Any) -> str | None:
+    """The worker's start check of a claim store that must persist (``claims_ack_on_claim``),
+    as the worker runs it: refused with its words (exit 2), or a warning where it cannot tell."""
+    from celery_claims.worker.policy import any_acks_on_claim
+    from celery_claims.worker.transport.store import StoreRefused, check_durable, new_client
+
+    if not any_acks_on_claim(app, settings):
+        return None
+    client = new_client(settings)
+    try:
+        return check_durable(client, settings, safe_url(settings.redis_url))
+    except StoreRefused as exc:
+        _fail(exc.message, EXIT_UNAVAILABLE)
+    except BackendUnavailable as exc:
+        return (
+            f"claims_ack_on_claim: the claim store must persist; it could not be reached to "
+            f"tell ({exc})"
+        )
+    finally:
+        close_client(client)
 
 
 @claims.command()

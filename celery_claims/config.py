@@ -414,6 +414,16 @@ def _at_least_first_retry(value: int, values: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _needs_journal(value: bool, values: Mapping[str, Any]) -> str | None:
+    # acked at claim, the message lives on only as its publish journal entry
+    if value and not values["claims_journal"]:
+        return (
+            "needs claims_journal = True: once a message is acked at claim, its publish "
+            "journal entry is its only durable copy"
+        )
+    return None
+
+
 # --- keys ------------------------------------------------------------------------------------
 
 #: A callable making a key value from a message's ``(args, kwargs)``.
@@ -981,6 +991,24 @@ SETTINGS: tuple[Setting, ...] = (
         unit="times",
         option=int,
         option_help="Re-publishes of one journaled message before it is dropped.",
+    ),
+    Setting(
+        "claims_ack_on_claim",
+        _bool,
+        False,
+        "Acknowledge each message to the broker once its claim is taken, for tasks that may "
+        "run longer than the broker lets a delivery stay unacked (RabbitMQ's "
+        "`consumer_timeout`, SQS's visibility timeout). The worker first makes sure the "
+        "message's publish journal entry is in the claim store: from then on the claim and "
+        "that entry are the task's durable copy, and a holder that dies is taken over when "
+        "journal recovery publishes the entry again. Also a task attribute, which wins for "
+        "its task. Needs `claims_journal` and a claim store that persists (AOF or RDB); not "
+        "for keyed tasks (`claims_key`). See docs/semantics.md, *Acknowledging at claim*.",
+        unit="bool",
+        needs=("claims_journal",),
+        check=_needs_journal,
+        option=bool,
+        option_help="Acknowledge messages once claimed (tasks longer than the broker's timeout).",
     ),
 )
 

@@ -46,6 +46,7 @@ TASK_ATTRIBUTES = (
     "claims_key_reschedule_max",
     "claims_key_reschedule_s",
     "claims_key_done_ttl",
+    "claims_ack_on_claim",
 )
 _ALL = sorted(SETTING_NAMES | set(TASK_ATTRIBUTES))
 

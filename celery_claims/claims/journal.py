@@ -113,11 +113,14 @@ class RedisJournal:
         *,
         recover_after_ms: int,
         eta_ms: int | None = None,
+        keep: bool = False,
     ) -> ScriptCall[int]:
         """The checked, unsent journal write of ``message`` (one script, one round trip).
 
         Its recover time is ``recover_after_ms`` after now, or after ``eta_ms`` when that is
-        later; the call's result is that time.
+        later; the call's result is that time. ``keep``: an entry of ``task_id`` already
+        there keeps its message and re-publish count, and its recover time unless
+        ``recover_after_ms`` after now is sooner.
 
         Raises:
             InvalidArgument: a bad id, message, delay or ETA.
@@ -131,12 +134,8 @@ class RedisJournal:
             isinstance(eta_ms, bool) or not isinstance(eta_ms, int) or eta_ms < 0
         ):
             raise InvalidArgument("eta_ms", f"must be epoch ms or None, got {eta_ms!r:.80}")
-        return ScriptCall(
-            self._put,
-            keys.journal_keys,
-            [task_id, message, recover_after_ms, "" if eta_ms is None else eta_ms],
-            int,
-        )
+        args: list[Any] = [task_id, message, recover_after_ms, "" if eta_ms is None else eta_ms]
+        return ScriptCall(self._put, keys.journal_keys, [*args, "keep"] if keep else args, int)
 
     def put(
         self,
@@ -146,6 +145,7 @@ class RedisJournal:
         *,
         recover_after_ms: int,
         eta_ms: int | None = None,
+        keep: bool = False,
     ) -> int:
         """Journal ``message`` (see :meth:`put_call`); returns its recover time.
 
@@ -154,7 +154,7 @@ class RedisJournal:
             BackendUnavailable: the store could not be reached.
         """
         call = self.put_call(
-            queue_id, task_id, message, recover_after_ms=recover_after_ms, eta_ms=eta_ms
+            queue_id, task_id, message, recover_after_ms=recover_after_ms, eta_ms=eta_ms, keep=keep
         )
         with translate_errors():
             return call.decode(call.script(keys=call.keys, args=call.args))
@@ -169,6 +169,8 @@ class RedisJournal:
         Raises:
             InvalidArgument: a bad list key or payload.
         """
+        if len(put.args) != 4:
+            raise InvalidArgument("put", "a kept write is never published with the message")
         require_id("list_key", list_key)
         if not isinstance(payload, str) or not payload:
             raise InvalidArgument("payload", "must be a non-empty str")

@@ -8,7 +8,14 @@ from celery_claims.errors import InvalidArgument
 from celery_claims.worker.delivery.keyed import check_key_arguments, key_spec, signature_of
 from celery_claims.worker.settings import ClaimsSettings
 
-__all__ = ["EXEMPT_PREFIXES", "check_task_policies", "is_exempt", "time_limit_of"]
+__all__ = [
+    "EXEMPT_PREFIXES",
+    "acks_on_claim",
+    "any_acks_on_claim",
+    "check_task_policies",
+    "is_exempt",
+    "time_limit_of",
+]
 
 #: Task name prefixes the gate never claims: Celery's own tasks and this package's.
 EXEMPT_PREFIXES = ("celery.", "celery_claims.")
@@ -59,6 +66,44 @@ def time_limit_of(
     return hard if hard is not None else soft
 
 
+def acks_on_claim(task: Any, settings: ClaimsSettings) -> bool:
+    """True if ``task``'s messages are acknowledged once claimed (its ``claims_ack_on_claim``
+    attribute, else the ``claims_ack_on_claim`` setting)."""
+    flag = getattr(task, "claims_ack_on_claim", None)
+    if getattr(task, "claims_key", None) is not None:
+        return False  # refused at start when asked for by the task (see _check_ack_on_claim)
+    return settings.ack_on_claim if flag is None else bool(flag)
+
+
+def any_acks_on_claim(app: Any, settings: ClaimsSettings) -> bool:
+    """True if any task of ``app`` is acknowledged at claim (the claim store must persist)."""
+    if settings.ack_on_claim:
+        return True
+    return any(getattr(task, "claims_ack_on_claim", None) is True for task in app.tasks.values())
+
+
+def _check_ack_on_claim(name: str, task: Any, settings: ClaimsSettings, *, keyed: bool) -> None:
+    flag = getattr(task, "claims_ack_on_claim", None)
+    where = f"{name}.claims_ack_on_claim"
+    if flag is not None and not isinstance(flag, bool):
+        raise InvalidArgument(where, f"must be True, False or None, got {flag!r:.80}")
+    if not (settings.ack_on_claim if flag is None else flag):
+        return
+    if not settings.journal:
+        raise InvalidArgument(
+            where if flag else "claims_ack_on_claim",
+            f"{name}: needs claims_journal = True: once a message is acked at claim, its "
+            f"publish journal entry is its only durable copy",
+        )
+    if keyed and flag:
+        # a keyed task's claim is its key's, which journal recovery does not look at: it
+        # would publish the entry again while the task runs (the setting leaves it out)
+        raise InvalidArgument(
+            where if flag else "claims_ack_on_claim",
+            f"{name}: a keyed task (claims_key) cannot be acknowledged at claim",
+        )
+
+
 def check_task_policies(app: Any, settings: ClaimsSettings) -> None:
     """Validate the per-task ``claims``, ``claims_lease_ms`` and keyed-claim attributes
     (``claims_key`` and its ``claims_key_*``, :func:`~celery_claims.worker.delivery.keyed.key_spec`)
@@ -76,7 +121,8 @@ def check_task_policies(app: Any, settings: ClaimsSettings) -> None:
         if lease is not None:
             settings.check_task_lease(name, lease)
         if not name.startswith(EXEMPT_PREFIXES):
-            key_spec(task, name, settings)
+            keyed = key_spec(task, name, settings) is not None
+            _check_ack_on_claim(name, task, settings, keyed=keyed)
     for lane in settings.lanes:
         # a keyed lane's tasks are known when it lists its kinds; the others' messages are
         # checked as they arrive (a message whose key cannot be made is refused)

@@ -70,6 +70,7 @@ class ClaimsRuntime:
         if settings.journal:
             self.journal = WorkerJournal(app, settings, self.manager, self.counters, hostname)
             self.life.on_gone = self.journal.settled
+            self.life.w.keep_message = self.journal.keep
 
     def live_claims(self) -> list[Copy]:
         """The copies whose claims are renewed right now."""

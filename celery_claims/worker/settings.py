@@ -113,6 +113,8 @@ class ClaimsSettings:
             (``claims_journal_scan_interval_ms``).
         journal_max_republish: re-publishes of one message before it is dropped
             (``claims_journal_max_republish``).
+        ack_on_claim: acknowledge each message once its claim is taken, its publish journal
+            entry then its durable copy (``claims_ack_on_claim``; a task attribute wins).
         key_conflict: what a keyed task's message does while its key is held
             (``claims_key_conflict``: ``wait``, ``skip`` or ``reschedule``).
         key_reschedule_max: most reschedules of one keyed message (``reschedule`` policy).
@@ -143,6 +145,7 @@ class ClaimsSettings:
     journal_recover_after_ms: int = DEFAULT_JOURNAL_RECOVER_AFTER_MS
     journal_scan_interval_ms: int = DEFAULT_JOURNAL_SCAN_INTERVAL_MS
     journal_max_republish: int = DEFAULT_JOURNAL_MAX_REPUBLISH
+    ack_on_claim: bool = False
     key_conflict: str = "wait"
     key_reschedule_max: int = 3
     key_reschedule_s: float = 5.0

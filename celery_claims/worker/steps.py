@@ -20,6 +20,7 @@ from typing import Any
 from celery import bootsteps
 from celery.utils.log import get_logger
 
+from celery_claims.connection import describe
 from celery_claims.errors import InvalidArgument
 from celery_claims.names import check_names, lane_findings
 from celery_claims.safety import Finding, Severity, check_settings
@@ -28,7 +29,7 @@ from celery_claims.worker.delivery.gate import ClaimGate
 from celery_claims.worker.delivery.guard import guard_tasks
 from celery_claims.worker.delivery.keeper import Keeper
 from celery_claims.worker.history import stop_history
-from celery_claims.worker.policy import check_task_policies
+from celery_claims.worker.policy import any_acks_on_claim, check_task_policies
 from celery_claims.worker.publish.producer import connect_producer
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.settings import (
@@ -39,7 +40,7 @@ from celery_claims.worker.settings import (
 )
 from celery_claims.worker.transport.broker import store_is_broker
 from celery_claims.worker.transport.loop import forget_hub_when_closed
-from celery_claims.worker.transport.store import check_store
+from celery_claims.worker.transport.store import check_durable, check_store
 from celery_claims.worker.transport.sweep import RestoreSweep, bound_restore_lock
 
 __all__ = ["History", "Gate", "LeaseKeeper", "Sweep", "check_start", "check_unsafe_settings"]
@@ -165,6 +166,10 @@ class LeaseKeeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
         bound_restore_lock(w.app.conf)
         # before "ready": a store the worker cannot use stops it here, with one line
         manager = check_store(settings)
+        if any_acks_on_claim(w.app, settings):
+            unsure = check_durable(manager.client, settings, describe(settings.redis_url))
+            if unsure is not None:
+                logger.warning("celery-claims: %s", unsure)
         self.runtime = ClaimsRuntime(w.app, settings, w.hostname, manager)
         self.runtime.pool_name = pool
         # the limits Celery hands the pool when a task has none of its own

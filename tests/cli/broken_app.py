@@ -108,6 +108,11 @@ CASES: dict[str, Callable[[], None]] = {
         claims_lanes={"video": {"queues": [QUEUE], "limit": 2, "kinds": ["names.snyc"]}},
     ),
     "lane_matches_nothing": _conf(claims_lanes={"video": {"queues": ["names-vidoe"], "limit": 2}}),
+    "ack_on_claim_without_journal": _conf(claims_ack_on_claim=True, claims_journal=False),
+    "ack_on_claim_keyed_task": _task(claims_key="customer", claims_ack_on_claim=True),
+    "ack_on_claim_attribute_value": _task(claims_ack_on_claim="yes"),
+    # the broker (the claim store) of these tests keeps nothing across a restart
+    "ack_on_claim_store_without_persistence": _conf(claims_ack_on_claim=True),
 }
 
 CASES[os.environ.get("CLAIMS_TEST_CASE", "good")]()

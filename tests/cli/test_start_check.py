@@ -70,6 +70,16 @@ REFUSED: dict[str, tuple[str, ...]] = {
         "'names-vidoe'",
         "did you mean 'names-video'?",
     ),
+    "ack_on_claim_without_journal": ("claims_ack_on_claim", "needs claims_journal = True"),
+    "ack_on_claim_keyed_task": (
+        "names.other.claims_ack_on_claim",
+        "a keyed task (claims_key) cannot be acknowledged at claim",
+    ),
+    "ack_on_claim_attribute_value": ("names.other.claims_ack_on_claim", "'yes'"),
+    "ack_on_claim_store_without_persistence": (
+        "claims_ack_on_claim",
+        "keeps nothing across a restart",
+    ),
     "lane_kind_matches_nothing_strict": (
         "claims_strict_settings",
         "claims_lanes",

@@ -11,9 +11,11 @@ times out after 5 s.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from tests.servers import RabbitMQServer, RedisServer
+from tests.servers import RabbitMQServer, RedisServer, redis_server
 from tests.worker.helpers import wait_for
 from tests.worker.processes import Fleet, Proc, events_of, executions
 
@@ -33,13 +35,32 @@ pytestmark = [
 ]
 
 
+@pytest.fixture
+def durable_redis() -> Iterator[RedisServer]:
+    """The claim store of workers acking at claim: one that persists (AOF), as they require."""
+    with redis_server(extra_args=("--appendonly", "yes", "--appendfsync", "everysec")) as server:
+        yield server
+
+
+#: The claims workers' journal recovery: a message acked at claim whose holder died is
+#: published again once its lease (the fleet's 2 s) has run out and this has passed.
+RECOVER_AFTER_MS = 4000
+
+
 def start_worker(
     fleet: Fleet, name: str, rabbitmq: RabbitMQServer, store: RedisServer, queue: str, *,
-    plugin: bool,
+    plugin: bool, ack_on_claim: bool = False,
 ) -> Proc:  # fmt: skip
     """A prefork -c 2 worker of ``apps/fleet.py`` (acks_late, prefetch multiplier 1) on the
-    private node; with ``plugin``, celery-claims is installed, its claims in ``store``."""
-    extra = ("--claims-redis-url", store.url) if plugin else ()
+    private node; with ``plugin``, celery-claims is installed, its claims in ``store``; with
+    ``ack_on_claim``, it acknowledges each message once claimed (``claims_ack_on_claim``)."""
+    extra: tuple[str, ...] = ("--claims-redis-url", store.url) if plugin else ()
+    if ack_on_claim:
+        extra += (
+            "--claims-ack-on-claim", "true",
+            "--claims-journal-recover-after-ms", str(RECOVER_AFTER_MS),
+            "--claims-journal-scan-interval-ms", "500",
+        )  # fmt: skip
     return fleet.worker(
         name, broker=rabbitmq.url, backend=store.url, queue=queue, plugin=plugin, extra=extra
     ).wait_ready()
@@ -76,7 +97,82 @@ def test_plain_celery_worker_dies_when_a_task_outlives_the_consumer_timeout_and_
     assert again[0]["worker"].startswith("b@"), again
 
 
-@pytest.mark.xfail(strict=True, reason="issue 31: claims_ack_on_claim")
+def test_claims_workers_acking_at_claim_run_long_and_short_tasks_once_and_stay_up(
+    fleet: Fleet, private_rabbitmq: RabbitMQServer, durable_redis: RedisServer, queue: str
+) -> None:
+    # Given two workers with celery-claims acking at claim (claims in a private Redis) on a
+    # node whose consumer_timeout is 5 s, and a claims-aware producer
+    store = durable_redis.url
+    workers = [
+        start_worker(fleet, name, private_rabbitmq, durable_redis, queue, plugin=True,
+                     ack_on_claim=True)
+        for name in ("a", "b")
+    ]  # fmt: skip
+    client = fleet.client(
+        private_rabbitmq.url, store, queue, plugin=True, conf={"claims_redis_url": store}
+    )
+
+    # When they run two tasks three times longer than the timeout, and short ones beside them
+    long_ids = ["long-1", "long-2"]
+    short_ids = [f"short-{i}" for i in range(6)]
+    results = [client.send_task("fleet.sleep", (TASK_S,), task_id=i) for i in long_ids]
+    results += [client.send_task("fleet.sleep", (0.2,), task_id=i) for i in short_ids]
+
+    # Then each runs to its end exactly once, no channel is refused, both workers stay up,
+    # and the queue ends empty
+    assert [r.get(timeout=TASK_S * 3 + 60) for r in results] == [TASK_S] * 2 + [0.2] * 6
+    for worker in workers:
+        assert REFUSED not in worker.output(), fleet.logs()
+        assert worker.alive(), fleet.logs()
+    log = executions(store, queue)
+    for task_id in long_ids + short_ids:
+        assert len(events_of(log, "start", task_id)) == 1, log
+        assert len(events_of(log, "end", task_id)) == 1, log
+    assert wait_for(lambda: private_rabbitmq.messages(queue) == (0, 0), timeout=10)
+
+
+def test_a_long_task_acked_at_claim_whose_worker_is_killed_is_taken_over_and_applied_once(
+    fleet: Fleet, private_rabbitmq: RabbitMQServer, durable_redis: RedisServer, queue: str
+) -> None:
+    # Given a worker acking at claim that runs a task three times longer than the timeout
+    store = durable_redis.url
+    first = start_worker(
+        fleet, "a", private_rabbitmq, durable_redis, queue, plugin=True, ack_on_claim=True
+    )
+    client = fleet.client(
+        private_rabbitmq.url, store, queue, plugin=True, conf={"claims_redis_url": store}
+    )
+    result = client.send_task("fleet.sleep_then_apply", (TASK_S,), task_id="long-kill")
+    wait_for(
+        lambda: events_of(executions(store, queue), "start", "long-kill"),
+        timeout=30, what="the first run's start",
+    )  # fmt: skip
+    # its message is gone from the broker: acked at claim, the journal entry holds it
+    assert wait_for(lambda: private_rabbitmq.messages(queue) == (0, 0), timeout=10)
+
+    # When that worker is killed mid-task and another one starts
+    first.kill_group()
+    second = start_worker(
+        fleet, "b", private_rabbitmq, durable_redis, queue, plugin=True, ack_on_claim=True
+    )
+
+    # Then journal recovery publishes it again once the lease ran out, the new worker takes it
+    # over and runs it to its end once, and its effect is applied once
+    assert result.get(timeout=TASK_S * 2 + 60) == TASK_S
+    log = executions(store, queue)
+    assert len(events_of(log, "start", "long-kill")) == 2, log
+    assert len(events_of(log, "end", "long-kill")) == 1, log
+    assert int(durable_redis.client().get(f"effects:{queue}") or 0) == 1
+    assert REFUSED not in second.output(), fleet.logs()
+    assert second.alive(), fleet.logs()
+    assert wait_for(lambda: private_rabbitmq.messages(queue) == (0, 0), timeout=10)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 31: a claims worker not acking at claim holds a redelivered copy unacked "
+    "past the consumer timeout (claims_ack_on_claim is the fix; it is off here)",
+)
 def test_claims_workers_run_tasks_longer_than_the_consumer_timeout_once_and_stay_up(
     fleet: Fleet, private_rabbitmq: RabbitMQServer, private_redis: RedisServer, queue: str
 ) -> None:

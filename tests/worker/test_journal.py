@@ -360,3 +360,27 @@ def test_bad_journal_settings_are_refused_naming_the_setting(key: str, value: An
     with pytest.raises(InvalidArgument) as info:
         load_settings(app)
     assert info.value.name == key
+
+
+def test_a_kept_write_leaves_the_producers_entry_and_count_and_brings_its_recover_time_forward(
+    journal: RedisJournal, redis_client: redis.Redis
+) -> None:
+    # Given a producer's entry due in an hour, re-published twice by recovery
+    queue, task = "q", "t1:0:0"
+    due = journal.put(queue, task, "producer's", recover_after_ms=3_600_000)
+    key = journal.keys(queue).journal_republished
+    redis_client.hset(key, task, 2)
+
+    # When a worker acking at claim journals the message it was delivered, kept
+    soon = journal.put(queue, task, "worker's", recover_after_ms=5_000, keep=True)
+
+    # Then the producer's message and the count stay, and recovery may act 5 s from now
+    assert journal.entries(queue)[task][0] == "producer's"
+    assert int(redis_client.hget(key, task) or 0) == 2
+    assert soon < due
+    # ... a later kept write never pushes it back
+    assert journal.put(queue, task, "again", recover_after_ms=60_000, keep=True) == soon
+
+    # And where the producer wrote nothing, the kept write journals the message
+    journal.put(queue, "t2:0:0", "worker's", recover_after_ms=5_000, keep=True)
+    assert journal.entries(queue)["t2:0:0"][0] == "worker's"

@@ -9,14 +9,28 @@
 -- ARGV[2] = the message (JSON envelope)
 -- ARGV[3] = ms after the publish (or the ETA) before recovery may act
 -- ARGV[4] = the message's ETA in epoch ms, or '' for none
--- ARGV[5] = with KEYS[4]: the message as kombu pushes it to that list
+-- ARGV[5] = with KEYS[4]: the message as kombu pushes it to that list; with 3 KEYS, 'keep':
+--           an entry already there keeps its message and re-publish count (a worker
+--           journaling a message it acks at claim), its recover time brought forward to
+--           ARGV[3] after now if that is sooner
 -- returns: the recover time (epoch ms, the server's clock)
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if #KEYS == 3 and ARGV[5] == 'keep' then
+  local kept = redis.call('ZSCORE', KEYS[2], ARGV[1])
+  if kept and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+    local soon = now + tonumber(ARGV[3])
+    if soon < tonumber(kept) then
+      redis.call('ZADD', KEYS[2], string.format('%.0f', soon), ARGV[1])
+      return soon
+    end
+    return tonumber(kept)
+  end
+end
 if #KEYS == 4 then
   -- first: a push the server refuses journals nothing (the publish fails, as kombu's would)
   redis.call('LPUSH', KEYS[4], ARGV[5])
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local from = now
 -- an ETA task waits in a worker's memory until it is due: recovery counts from then
 if ARGV[4] ~= '' and tonumber(ARGV[4]) > now then

@@ -58,6 +58,9 @@ class Copy:
         pool_settles: the process that runs its body records the completion and removes
             the delivery from kombu's unacked set in one script, before it reports success
             (:meth:`Lifecycle.pool_settle`): Celery's ack then costs no round trip.
+        acked_at_claim: its message was acknowledged once its claim was taken
+            (``claims_ack_on_claim``): nothing of it is left in the broker, its publish journal
+            entry is its durable copy (``ack_on_claim.py``).
     """
 
     request: Any
@@ -88,6 +91,7 @@ class Copy:
     lane_key: str = ""
     mark_start: bool = False
     pool_settles: bool = False
+    acked_at_claim: bool = False
 
     @property
     def claim_id(self) -> str:

@@ -123,6 +123,8 @@ class Endings:
 
     def _let_go_on_loop(self, copy: Copy) -> None:
         request = copy.request
+        if copy.acked_at_claim:
+            return  # nothing of it is left in the broker
         if forget_delivery(request):
             return  # Redis: the record in unacked is the live owner's too; leave it alone
         # a delivery of its own: ack it where another copy owns a live lease (that copy is
@@ -151,11 +153,17 @@ class Endings:
         self.w.on_loop(self.requeue, copy)
 
     def requeue(self, copy: Copy) -> None:
-        """Hand the message back to the broker (on the consumer's thread)."""
+        """Hand the message back to the broker (on the consumer's thread); a message acked at
+        claim has none: its journal entry stays, and recovery publishes it again once the
+        released claim no longer holds it."""
+        if copy.acked_at_claim:
+            return
         with contextlib.suppress(Exception):
             copy.request.reject(requeue=True)
 
-    def end_by_celery(self, copy: Copy, celery_handler: Callable[[], object]) -> None:
+    def end_by_celery(
+        self, copy: Copy, celery_handler: Callable[[], object], *, requeue: bool = False
+    ) -> None:
         """Run Celery's handler for an attempt that ended without a record; its journal entry
         is cleared just before the handler's ack or reject takes the message for good (not
         if it requeues it: ``Reject(requeue=True)``, ``task_reject_on_worker_lost``).
@@ -166,6 +174,14 @@ class Endings:
         recovery to publish again. Where the request cannot be hooked, the entry is cleared
         after the handler, once the message is known gone.
         """
+        if copy.acked_at_claim:
+            # nothing left in the broker for Celery's handler to ack or requeue: the journal
+            # entry is the message now; it goes unless the attempt asked to be run again
+            # (``requeue``: ``Reject(requeue=True)``), for recovery to publish it again
+            celery_handler()
+            if not requeue:
+                self.w.on_gone(copy.queue_id, copy.task_key, False)
+            return
         settle = functools.partial(self.w.on_gone, copy.queue_id, copy.task_key, False)
         if before_gone(copy.request, settle):
             celery_handler()

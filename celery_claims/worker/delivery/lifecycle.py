@@ -47,6 +47,7 @@ from celery_claims.errors import ClaimError, ClaimTokenError
 from celery_claims.model import ClaimToken, Success, TookOver
 from celery_claims.worker import signals
 from celery_claims.worker.compat import prefetch_qos, task_ready
+from celery_claims.worker.delivery.ack_on_claim import AckOnClaim
 from celery_claims.worker.delivery.completion import Completion
 from celery_claims.worker.delivery.copy import Copy
 from celery_claims.worker.delivery.endings import Endings
@@ -146,6 +147,8 @@ class Lifecycle:
         self.losses = Losses(w, reg, self.turns, self.ends)
         #: the pool's successes, Celery's ack, and the keeper's retried records
         self.done = Completion(w, reg, self.ends, self.losses)
+        #: acknowledging at claim (``claims_ack_on_claim``)
+        self.acks = AckOnClaim(w)
         if lanes is not None:
             lanes.slots = w.slots
             lanes.waker = w.waker
@@ -242,6 +245,8 @@ class Lifecycle:
             took_over=took_over,
             previous_owner=result.previous_owner if isinstance(result, TookOver) else None,
         )
+        # before the lane or the pool: a copy waiting for its slot is acked at claim too
+        self.acks.take(copy)
         if lane is not None and self.w.lanes is not None:
             self.reg.move(copy, State.WAITING)
             self.w.lanes.admit(lane, copy)
@@ -311,7 +316,10 @@ class Lifecycle:
             return
         why = "rejected" if isinstance(exc, Reject) else f"failed ({type(exc).__name__})"
         self.ends.release(copy, why)
-        self.ends.end_by_celery(copy, celery_handler)
+        # a message acked at claim cannot be requeued: its journal entry, kept, is published
+        # again by recovery instead
+        requeue = isinstance(exc, Reject) and bool(getattr(exc, "requeue", False))
+        self.ends.end_by_celery(copy, celery_handler, requeue=requeue)
 
     def timed_out(self, copy: Copy, soft: bool, celery_handler: Callable[[], object]) -> None:
         """A time limit fired (``on_timeout``); a hard one releases the claim."""

@@ -68,6 +68,10 @@ class Wiring:
         #: for good (its publish journal entry can go; ``done``: the attempt is recorded done
         #: or given up; set by the runtime)
         self.on_gone: Callable[[str, str, bool], object] = lambda queue_id, key, done: None
+        #: writes a delivered message's publish journal entry ``(queue_id, task_key,
+        #: message)``, waited for, before it is acknowledged at claim (set by the runtime when
+        #: the journal is on); raises ``ClaimError`` or ``ValueError`` if it cannot
+        self.keep_message: Callable[[str, str, Any], object] | None = None
         #: completions recorded lately, written again after a Sentinel failover (failover.py)
         self.recent = RecentCompletions()
 

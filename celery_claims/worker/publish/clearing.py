@@ -16,6 +16,7 @@ from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import ClaimError
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id
 from celery_claims.worker.policy import is_exempt
+from celery_claims.worker.publish.envelope import Envelope
 from celery_claims.worker.publish.producer import PRODUCER_TIMEOUT_MS
 from celery_claims.worker.publish.recovery import JournalRecovery
 from celery_claims.worker.settings import ClaimsSettings
@@ -64,6 +65,27 @@ class WorkerJournal:
         self._sender = ScriptSender()
         # weak: the receiver goes with this object (in-process test workers come and go)
         task_revoked.connect(self._on_revoked)
+
+    # --- keeping -----------------------------------------------------------------------------
+
+    def keep(self, queue_id: str, task_key: str, message: Any) -> None:
+        """Make sure the delivered ``message`` of this attempt has its journal entry, before
+        the worker acknowledges it at claim (``claims_ack_on_claim``); one round trip, waited
+        for. An entry the producer wrote stays as it is.
+
+        Raises:
+            ValueError: the message cannot be journaled (no task id, no body).
+            ClaimError: the store did not take the write: the message must not be acked.
+        """
+        envelope = Envelope.of_delivery(message)
+        self.store.put(
+            queue_id,
+            task_key,
+            envelope.dumps(),
+            recover_after_ms=self.settings.journal_recover_after_ms,
+            eta_ms=envelope.eta_ms,
+            keep=True,
+        )
 
     # --- clearing --------------------------------------------------------------------------
 

@@ -18,6 +18,9 @@ __all__ = ["Envelope"]
 #: Envelope format version.
 _VERSION = 1
 
+#: The publish properties of a delivered message that a re-publish carries again.
+_REPUBLISHED = ("correlation_id", "reply_to", "priority")
+
 
 def _epoch_ms(value: Any) -> int | None:
     """An ETA or expiry header (ISO 8601 string or datetime) in epoch ms; None if absent."""
@@ -96,6 +99,38 @@ class Envelope:
             exchange=str(getattr(exchange, "name", exchange) or ""),
             routing_key=str(routing_key or ""),
             properties=dict(properties or {}),
+        )
+
+    @classmethod
+    def of_delivery(cls, message: Any) -> Envelope:
+        """The envelope of a delivered kombu ``Message``: its body as the broker carried it,
+        its headers, and the exchange and routing key it was published to (for a message a
+        worker journals itself: acknowledged at claim, it must be publishable again).
+
+        Raises:
+            ValueError: the message carries no task name and id, or no body.
+        """
+        headers = dict(getattr(message, "headers", None) or {})
+        task, task_id = headers.get("task"), headers.get("id")
+        if not isinstance(task, str) or not isinstance(task_id, str) or not task_id:
+            raise ValueError("the message headers carry no task name and id (task protocol 1?)")
+        body = getattr(message, "body", None)
+        if isinstance(body, str):
+            body = body.encode(getattr(message, "content_encoding", None) or "utf-8")
+        if not isinstance(body, bytes):
+            raise ValueError("the delivered message has no body to journal")
+        info = getattr(message, "delivery_info", None) or {}
+        properties = getattr(message, "properties", None) or {}
+        return cls(
+            task=task,
+            task_id=task_id,
+            headers=headers,
+            body=body,
+            content_type=str(getattr(message, "content_type", None) or ""),
+            content_encoding=str(getattr(message, "content_encoding", None) or ""),
+            exchange=str(info.get("exchange") or ""),
+            routing_key=str(info.get("routing_key") or ""),
+            properties={k: properties[k] for k in _REPUBLISHED if properties.get(k) is not None},
         )
 
     @property

@@ -16,7 +16,10 @@ they do when it goes down later.
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
+import redis
 from celery.utils.log import get_logger
 
 from celery_claims.claims.redis import RedisClaimManager
@@ -25,7 +28,7 @@ from celery_claims.connection import close as close_client
 from celery_claims.errors import BackendUnavailable
 from celery_claims.worker.settings import ClaimsSettings
 
-__all__ = ["StoreRefused", "check_store", "new_client", "new_manager"]
+__all__ = ["StoreRefused", "check_durable", "check_store", "new_client", "new_manager"]
 
 logger = get_logger("celery_claims.worker")
 
@@ -96,3 +99,43 @@ def check_store(settings: ClaimsSettings) -> RedisClaimManager:
         close_client(manager.client)
         raise StoreRefused(str(exc)) from exc
     return manager
+
+
+def check_durable(client: Any, settings: ClaimsSettings, where: str = "") -> str | None:
+    """Refuse a claim store that keeps nothing across a restart, for messages acked at claim.
+
+    A message acknowledged at claim (``claims_ack_on_claim``) lives on only as its claim and
+    its publish journal entry: a store without AOF and without RDB snapshots loses both when it
+    restarts, and the task with them. Read with ``CONFIG GET`` (one round trip).
+
+    Returns:
+        A warning to report where the store does not say (``CONFIG`` refused, as some managed
+        services do), else None.
+
+    Raises:
+        StoreRefused: the store persists nothing.
+    """
+    try:
+        aof = str(_config(client, "appendonly")).lower()
+        rdb = str(_config(client, "save")).strip()
+    except redis.ResponseError as exc:
+        return (
+            f"claims_ack_on_claim: cannot tell whether the claim store persists ({exc}); "
+            f"messages acked at claim live on only there: make sure it has AOF or RDB"
+        )
+    if aof != "yes" and not rdb:
+        raise StoreRefused(
+            f"claims_ack_on_claim: the claim store{' at ' + where if where else ''} keeps "
+            f'nothing across a restart (appendonly no, save ""): a message acked at claim '
+            f"lives on only there. Give it AOF (appendonly yes, appendfsync everysec or "
+            f"always) or RDB snapshots, or leave claims_ack_on_claim off"
+        )
+    return None
+
+
+def _config(client: Any, name: str) -> Any:
+    """One ``CONFIG GET`` value (a Cluster asks one node: they are set alike)."""
+    reply = client.config_get(name)
+    if isinstance(reply, dict) and name not in reply and reply:
+        reply = next(iter(reply.values()))  # RedisCluster: {node: {name: value}}
+    return reply.get(name, "") if isinstance(reply, dict) else ""

@@ -17,7 +17,8 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celery_claims.worker import install
+from celery_claims.effects import apply_once_redis
+from celery_claims.worker import current_claim, install
 
 BROKER = os.environ["CLAIMS_TEST_BROKER"]
 BACKEND = os.environ["CLAIMS_TEST_BACKEND"]
@@ -73,6 +74,25 @@ def sleep(self: Any, seconds: float) -> float:
     """Sleep ``seconds``, logging the start and the end."""
     record("start", self)
     time.sleep(seconds)
+    record("end", self)
+    return seconds
+
+
+@app.task(bind=True, name="fleet.sleep_then_apply")
+def sleep_then_apply(self: Any, seconds: float) -> float:
+    """Sleep ``seconds``, then add 1 to ``effects:<queue>`` once per attempt
+    (``effects.apply_once_redis``, the marker keyed by the attempt), logging start and end."""
+    global _log
+    record("start", self)
+    time.sleep(seconds)
+    if _log is None:
+        _log = redis.Redis.from_url(BACKEND)
+    claim = current_claim()
+    marker = f"effect:{QUEUE}:{self.request.id}"
+    apply_once_redis(
+        _log, marker, [("INCRBY", f"effects:{QUEUE}", 1)],
+        instance=claim.instance if claim is not None else 0,
+    )  # fmt: skip
     record("end", self)
     return seconds
 
