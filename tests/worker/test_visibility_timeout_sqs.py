@@ -5,17 +5,19 @@ not deleted by then. kombu creates the queue with the ``visibility_timeout`` tra
 (30 minutes by default) and never extends it while a task runs, so with ``task_acks_late`` a
 longer task's message is received again, and runs again, while the first run goes on. With
 celery-claims the task runs once, but the message is received again at every timeout and each
-copy is held (unacked) until the run ends.
+copy is held (unacked) until the run ends, unless the worker acknowledges at claim
+(``claims_ack_on_claim``).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.servers import MotoServer, RedisServer
+from tests.servers import MotoServer, RedisServer, redis_server
 from tests.worker.helpers import wait_for
 from tests.worker.processes import Fleet, events_of, executions
 
@@ -70,20 +72,26 @@ def test_plain_celery_runs_a_task_again_while_it_outlives_the_visibility_timeout
     assert starts[1]["at"] < ends[0]["at"], (starts, ends)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 31: claims_ack_on_claim")
-def test_claims_worker_takes_a_task_longer_than_the_visibility_timeout_off_sqs_once(
-    fleet: Fleet, private_sqs: MotoServer, private_redis: RedisServer, queue: str
+@pytest.fixture
+def durable_redis() -> Iterator[RedisServer]:
+    """The claim store of a worker acking at claim: one that persists (AOF), as it requires."""
+    with redis_server(extra_args=("--appendonly", "yes")) as server:
+        yield server
+
+
+def test_claims_worker_acking_at_claim_takes_a_task_longer_than_the_timeout_off_sqs_once(
+    fleet: Fleet, private_sqs: MotoServer, durable_redis: RedisServer, queue: str
 ) -> None:
-    # Given a worker with celery-claims (claims in a private Redis) on SQS whose messages stay
-    # hidden 5 s after they are received, and a claims-aware producer
-    store = private_redis.url
+    # Given a worker with celery-claims acking at claim (claims in a private Redis) on SQS
+    # whose messages stay hidden 5 s after they are received, and a claims-aware producer
+    store = durable_redis.url
     conf = {"broker_transport_options": transport_options(private_sqs)}
     worker = fleet.worker(
         "a",
         broker=private_sqs.url,
         backend=store,
         queue=queue,
-        extra=("--claims-redis-url", store),
+        extra=("--claims-redis-url", store, "--claims-ack-on-claim", "true"),
         env={"CLAIMS_TEST_CONF": json.dumps(conf)},
     ).wait_ready()
     client = fleet.client(
@@ -93,9 +101,9 @@ def test_claims_worker_takes_a_task_longer_than_the_visibility_timeout_off_sqs_o
     # When it runs a task three times longer than that
     result = client.send_task("fleet.sleep", (TASK_S,), task_id="long-1")
 
-    # Then the task runs once (true on main today), its message is received once: taken off
-    # the queue when the claim is taken, not shown again at every timeout and held (on main
-    # today it is received three times in 15 s), and the queue ends empty
+    # Then the task runs once, its message is received once: deleted when the claim is taken,
+    # not shown again at every timeout and held (without claims_ack_on_claim it is received
+    # three times in 15 s), and the queue ends empty
     assert result.get(timeout=TASK_S + 30) == TASK_S
     log = executions(store, queue)
     assert len(events_of(log, "start", "long-1")) == 1, log
