@@ -916,6 +916,19 @@ SETTINGS: tuple[Setting, ...] = (
         unit="s",
     ),
     Setting(
+        "claims_rate_limit_fleetwide",
+        _bool,
+        False,
+        "Make Celery's own `rate_limit` task attribute a fleet-wide rate: at most that many "
+        "starts per period across every worker, counted in the claim store like "
+        "`claims_rate` (which wins where both are set), and the worker no longer sleeps on "
+        "it (Celery's per-worker token bucket is turned off for those tasks). Its value must "
+        "then be a rate `claims_rate` takes (`'10/s'`, `'10/m'`, `'10/h'`; not `0.5/s` nor "
+        "a bare number): a refused one stops the worker naming `<task>.rate_limit`. See "
+        "docs/rates.md.",
+        unit="bool",
+    ),
+    Setting(
         "claims_metrics_port",
         _ports,
         DEFAULT_METRICS_PORTS,

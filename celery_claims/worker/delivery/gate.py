@@ -38,6 +38,7 @@ from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
 from celery_claims.worker.compat import (
     RequestHooks,
+    fleet_rate_limits,
     hook_request,
     request_fields,
     set_request_field,
@@ -106,6 +107,9 @@ class ClaimGate:
         self._pre: dict[Any, _Preclaim] = {}
         self.keys = KeySpecs(self.settings)
         self.life.bind(consumer, self._to_pool, self._claim, self._send)
+        if self.settings.rate_limit_fleetwide:
+            # Celery's rate_limit is counted fleet-wide by the lifecycle: no sleeping on it
+            fleet_rate_limits(consumer, self._fleet_rated)
 
     # --- entry point ------------------------------------------------------------------------
 
@@ -146,6 +150,7 @@ class ClaimGate:
             # a keyed lane's key is made before the claim: a message without one is refused
             # (recorded as failed), never claimed and left waiting
             lane_key = lanes.key_of(queue_id, request) if lanes is not None else ""
+            rate_key = self.life.rates.key_of(request)  # so is a per-key rate's
         except KeyRefused as exc:
             self.life.unrun.refuse(request, exc, queue_id, task_key)
             return None
@@ -159,6 +164,7 @@ class ClaimGate:
             key=key,
             lane_key=lane_key,
         )
+        copy.rate_key = rate_key
         self._claim(copy)
         return None
 
@@ -172,6 +178,11 @@ class ClaimGate:
         if spec is None:
             return None
         return self.keys.claim(spec, request, queue_id, task_key, len(owner.encode("utf-8")))
+
+    def _fleet_rated(self, task: Any, name: str) -> bool:
+        # under claims_rate_limit_fleetwide every fleet-rated task is off Celery's bucket
+        # (its claims_rate wins over its rate_limit)
+        return self.life.rates.spec_of(task, name) is not None
 
     @property
     def store_pipe(self) -> Pipe | None:
@@ -246,8 +257,14 @@ class ClaimGate:
                 return None
             if getattr(task, "claims_key", None) is not None:
                 return None  # keyed: its key is made from the decoded arguments, in the gate
-            if task.rate_limit and not self.consumer.disable_rate_limits:
-                return None
+            if getattr(task, "claims_rate_key", None) is not None:
+                return None  # so is a per-key rate's
+            if (
+                task.rate_limit
+                and not self.consumer.disable_rate_limits
+                and not self._fleet_rated(task, name)
+            ):
+                return None  # it reaches the gate from Celery's token bucket
             lease_ms = self._lease_ms(name, task)
             queue_id = self.queues.queue_of(message.delivery_info)
             lanes = self.runtime.lanes
