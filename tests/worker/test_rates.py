@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+from tests.cli.conftest import json_of, run_cli
 from tests.servers import RedisServer
 from tests.worker.helpers import HELD_RECHECK_MS, LEASE_MS, RENEW_INTERVAL_MS, unique, wait_for
 from tests.worker.processes import Fleet, Proc
@@ -289,3 +290,97 @@ def test_a_message_whose_rate_key_cannot_be_made_is_refused_and_recorded(
     assert not _starts(backend, queue, "rates.customer")
     with contextlib.closing(redis.Redis.from_url(broker)) as plain:
         wait_for(lambda: plain.llen(queue) == 0, timeout=5, what="queue empty")
+
+
+@pytest.mark.timeout(60)
+def test_a_lane_rate_holds_across_the_fleet_alone_and_per_key(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given a lane on the other queue with a rate only, "5/s", and on the limited queue a lane
+    # with a rate per customer, "2/s" (keyed lanes hold their key inside the lane)
+    backend = broker = private_redis.url
+    queue = unique("q")
+    lanes = {
+        "mail": {"queues": [f"{queue}-other"], "rate": "5/s"},
+        "sms": {"queues": [queue], "kinds": ["rates.customer"], "rate": "3/s", "key": "customer"},
+    }
+    workers = [
+        rates_worker(
+            fleet, name, broker=broker, backend=backend, queue=queue,
+            env={"CLAIMS_TEST_LANES": json.dumps(lanes)},
+        )
+        for name in ("a", "b")
+    ]  # fmt: skip
+    for proc in workers:
+        proc.wait_ready()
+    client = fleet.client(broker, backend, queue)
+
+    # When 20 tasks go to the mail lane, and 3 customers send 6 tasks each to the sms lane
+    # (whose task's own claims_rate, 10/s per customer, is looser than the lane's)
+    began = time.time()
+    results = [
+        client.send_task("rates.other", queue=f"{queue}-other", task_id=f"m-{i}") for i in range(20)
+    ]
+    results += [
+        client.send_task("rates.customer", (f"c{c}",), task_id=f"s-{c}-{i}")
+        for c in range(3)
+        for i in range(6)
+    ]
+    for result in results:
+        result.get(timeout=20)
+    mail = sorted(e["at"] for e in _starts(backend, queue, "rates.other"))
+    sms = _starts(backend, queue, "rates.customer")
+
+    # Then at most 5 mail tasks start per second across the fleet, as fast as that allows,
+    # and at most 3 sms tasks per customer, the customers side by side
+    assert len(mail) == 20
+    assert _most_in_window(mail) <= 5, mail
+    assert 3.5 <= mail[-1] - began <= 4 * SLACK + 0.5
+    assert len(sms) == 18
+    for c in range(3):
+        times = [e["at"] for e in sms if e["customer"] == f"c{c}"]
+        assert _most_in_window(times) <= 3, (c, times)
+    assert _most_in_window([e["at"] for e in sms]) >= 6  # customers do not wait on each other
+
+
+@pytest.mark.timeout(60)
+def test_stats_list_and_inspect_say_which_rate_holds_a_waiting_copy(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given one worker and a task at "1/s" with 4 copies sent at once: 3 wait for the rate
+    backend = broker = private_redis.url
+    queue = unique("q")
+    rates_worker(
+        fleet, "a", broker=broker, backend=backend, queue=queue, env={"CLAIMS_TEST_RATE": "1/m"}
+    ).wait_ready()
+    client = fleet.client(broker, backend, queue)
+    for i in range(4):
+        client.send_task("rates.tick", task_id=f"v-{i}")
+    held = wait_for(
+        lambda: [e["id"] for e in _log(backend, queue) if e["event"] == "held"],
+        timeout=10,
+        what="held copies",
+    )
+    cli = ("--redis-url", backend, "--prefix", "claims")
+
+    # When the operator asks for stats, the live claims and one held task
+    # (the worker's history writer posts each hold a moment after it)
+    stats = wait_for(
+        lambda: (
+            (found := json_of(run_cli(*cli, "stats", "--json")))["rates"]
+            and found["rates"][0]["waiting"] == 3
+            and found
+        ),
+        timeout=10,
+        what="the 3 waiting copies in stats",
+    )
+    text = run_cli(*cli, "stats").stdout
+    listed = run_cli(*cli, "list").stdout
+    inspected = run_cli(*cli, "inspect", held[0]).stdout
+
+    # Then each names the rate, and stats counts the copies waiting for it
+    assert stats["rates"] == [{"rate": "task:rates.tick", "waiting": 3}]
+    assert "task:rates.tick" in text
+    assert "waiting (rate task:rates.tick)" in listed, listed
+    assert "WAITING for rate task:rates.tick (claimed, not running yet)" in inspected, inspected
+    assert "waiting for rate task:rates.tick (used up)" in inspected

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery_claims.model import ClaimToken
+from celery_claims.rates import Limit
 from celery_claims.worker.delivery.keyed import KeyedClaim
 from celery_claims.worker.delivery.lane_model import LaneSlot
 from celery_claims.worker.delivery.state import State
@@ -53,7 +54,8 @@ class Copy:
         key: its keyed claim (``claims_key``): ``queue_id`` and ``task_key`` are then the
             key's claim queue and field, and ``owner`` names the attempt (``keyed.py``).
         lane_key: its key in a keyed lane (``""`` when it is in none).
-        rate_key: its key under a per-key rate (``claims_rate_key``; ``""`` when none).
+        rate_limits: the fleet-wide rates its start must pass (its task's, its lane's), made
+            in the gate before its claim (``rates.py``).
         mark_start: its claim was granted by a takeover under ``claims_max_takeovers``: its
             start is marked in the store (by its pool process, ``guard.py``; by this process
             for an unguarded task), so that it counts toward the limit only once started.
@@ -88,7 +90,7 @@ class Copy:
     overran: bool = False
     key: KeyedClaim | None = None
     lane_key: str = ""
-    rate_key: str = ""
+    rate_limits: tuple[Limit, ...] = ()
     mark_start: bool = False
     pool_settles: bool = False
 

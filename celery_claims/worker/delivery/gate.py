@@ -132,6 +132,8 @@ class ClaimGate:
                 lease_ms=pre.lease_ms,
                 guarded=is_guarded(request.task),
             )
+            # no key to make (claim_for sends no claim for such a task): this cannot refuse
+            copy.rate_limits = self.life.rates.limits_for(request, pre.queue_id)
             self._settle(copy, pre.outcome())
             return None
         # no claim rode kombu's write (or it failed there): claimed here under a new owner
@@ -150,7 +152,7 @@ class ClaimGate:
             # a keyed lane's key is made before the claim: a message without one is refused
             # (recorded as failed), never claimed and left waiting
             lane_key = lanes.key_of(queue_id, request) if lanes is not None else ""
-            rate_key = self.life.rates.key_of(request)  # so is a per-key rate's
+            rate_limits = self.life.rates.limits_for(request, queue_id)  # and a rate's key
         except KeyRefused as exc:
             self.life.unrun.refuse(request, exc, queue_id, task_key)
             return None
@@ -164,7 +166,7 @@ class ClaimGate:
             key=key,
             lane_key=lane_key,
         )
-        copy.rate_key = rate_key
+        copy.rate_limits = rate_limits
         self._claim(copy)
         return None
 
@@ -257,8 +259,6 @@ class ClaimGate:
                 return None
             if getattr(task, "claims_key", None) is not None:
                 return None  # keyed: its key is made from the decoded arguments, in the gate
-            if getattr(task, "claims_rate_key", None) is not None:
-                return None  # so is a per-key rate's
             if (
                 task.rate_limit
                 and not self.consumer.disable_rate_limits
@@ -271,6 +271,8 @@ class ClaimGate:
             lane = lanes.lane_of(queue_id, name) if lanes is not None else None
             if lane is not None and lane.spec.keyed:
                 return None  # so is a keyed lane's key
+            if self.life.rates.needs_arguments(task, name, queue_id):
+                return None  # and a rate's key
             task_key = claim_task_id(task_id, attempt_of(headers))
             owner = new_owner(self.runtime.hostname)
             call = self._claim_call(queue_id, task_key, owner, lease_ms)

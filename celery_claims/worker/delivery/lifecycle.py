@@ -245,11 +245,10 @@ class Lifecycle:
             took_over=took_over,
             previous_owner=result.previous_owner if isinstance(result, TookOver) else None,
         )
-        limits = self.rates.limits_of(copy, lane)
-        if limits:
+        if copy.rate_limits:
             # its rates first: a copy waiting for its turn to start holds no lane slot
             self.reg.move(copy, State.WAITING)
-            self.rates.admit(copy, limits, lane)
+            self.rates.admit(copy, copy.rate_limits, lane)
         else:
             self._past_rates(copy, lane)
 

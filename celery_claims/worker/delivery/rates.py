@@ -27,7 +27,7 @@ from typing import Any
 
 from celery.utils.log import get_logger
 
-from celery_claims.config import KeyFunction, parse_key_declaration
+from celery_claims.config import KeyFunction, LaneSpec, parse_key_declaration
 from celery_claims.errors import InvalidArgument
 from celery_claims.rates import Limit, Rate, RateAllowed, RateLimited, RedisRateLimiter, parse_rate
 from celery_claims.worker import signals
@@ -124,6 +124,8 @@ class _Group:
     queued: bool = False
     #: consecutive store errors (backoff)
     errors: int = 0
+    #: the limit the store last said its copies wait for
+    limit: str = ""
 
     @property
     def name(self) -> str:
@@ -146,6 +148,12 @@ class WorkerRates:
         self.reg = reg
         self.granted = granted
         self.specs: dict[str, RateSpec | None] = {}
+        self._signatures: dict[str, Any] = {}
+        self._lanes_by_queue: dict[str, list[LaneSpec]] = {}
+        for lane in w.settings.lanes:
+            if lane.rate is not None:
+                for queue in lane.queues:
+                    self._lanes_by_queue.setdefault(queue, []).append(lane)
         self.limiter = RedisRateLimiter(client=w.manager.client, prefix=w.settings.prefix)
         self._groups: dict[tuple[str, ...], _Group] = {}
         #: the copy's current wait (a copy that leaves WAITING and comes back waits anew)
@@ -156,6 +164,8 @@ class WorkerRates:
         self._timer_at: float | None = None
         #: the lane each waiting copy goes to next (None: the pool)
         self._lanes: dict[Copy, Any] = {}
+        #: the name of the first limit each waiting copy waits on (what operators see)
+        self._named: dict[Copy, str] = {}
 
     # --- what a copy is limited by -------------------------------------------------------
 
@@ -171,29 +181,53 @@ class WorkerRates:
                 self.specs[name] = None
         return self.specs[name]
 
-    def key_of(self, request: Any) -> str:
-        """The rate key of ``request`` (``""`` when its rate is not per key).
+    def rated_lane(self, queue_id: str, task_name: str) -> LaneSpec | None:
+        """The lane with a rate a message of ``task_name`` from ``queue_id`` is in, or None."""
+        for spec in self._lanes_by_queue.get(queue_id, ()):
+            if spec.covers(queue_id, task_name):
+                return spec
+        return None
+
+    def needs_arguments(self, task: Any, name: str, queue_id: str) -> bool:
+        """Whether a message's rate limits are made from its decoded arguments (a key)."""
+        spec = self.spec_of(task, name)
+        lane = self.rated_lane(queue_id, name)
+        return (spec is not None and spec.keyed) or (lane is not None and lane.rate_keyed)
+
+    def limits_for(self, request: Any, queue_id: str) -> tuple[Limit, ...]:
+        """The limits a message of ``request`` delivered from ``queue_id`` must pass before
+        its lane or the pool (empty: none): its task's rate (per key with
+        ``claims_rate_key``), and its lane's (per key with the lane's ``key``).
 
         Raises:
-            KeyRefused: the key cannot be made from its arguments.
+            KeyRefused: a rate's key cannot be made from its arguments.
         """
-        spec = self.spec_of(request.task, request.name)
-        if spec is None or not spec.keyed:
-            return ""
-        return key_text(
-            request.name, spec.key_names, spec.key_fn, spec.signature, request.args, request.kwargs
-        )
-
-    def limits_of(self, copy: Copy, lane: Any) -> tuple[Limit, ...]:
-        """The limits ``copy`` must pass before its lane or the pool (empty: none)."""
         limits: list[Limit] = []
-        spec = self.spec_of(copy.request.task, copy.request.name)
+        name = request.name
+        spec = self.spec_of(request.task, name)
         if spec is not None:
-            limits.append(Limit(spec.limit_name(copy.rate_key), spec.rate))
-        lane_rate = getattr(getattr(lane, "spec", None), "rate", None)
-        if lane_rate is not None:
-            name = f"lane:{lane.name}" if not copy.lane_key else f"lane:{lane.name}:{copy.lane_key}"
-            limits.append(Limit(name, lane_rate))
+            key = ""
+            if spec.keyed:
+                key = key_text(
+                    name, spec.key_names, spec.key_fn, spec.signature, request.args, request.kwargs
+                )
+            limits.append(Limit(spec.limit_name(key), spec.rate))
+        lane = self.rated_lane(queue_id, name)
+        if lane is not None and lane.rate is not None:
+            limit_name = f"lane:{lane.name}"
+            if lane.rate_keyed:
+                if name not in self._signatures:
+                    self._signatures[name] = signature_of(request.task)
+                key = key_text(
+                    name,
+                    lane.key_names,
+                    lane.key_fn,
+                    self._signatures[name],
+                    request.args,
+                    request.kwargs,
+                )
+                limit_name = f"lane:{lane.name}:{key}"
+            limits.append(Limit(limit_name, lane.rate))
         return tuple(limits)
 
     # --- waiting (event loop) ------------------------------------------------------------
@@ -207,10 +241,15 @@ class WorkerRates:
         wait = next(self._seq)
         self._waits[copy] = wait
         self._lanes[copy] = lane
+        self._named[copy] = limits[0].name
         group.waiting.append((copy, wait))
-        if not group.asking and not group.queued and group.due_at <= time.monotonic():
+        now = time.monotonic()
+        if not group.asking and not group.queued and group.due_at <= now:
             self._ask(group)
         elif not group.asking:
+            if group.due_at > now and group.limit:
+                # the store said already when the next start may go: it waits, say so now
+                self._hold(group, group.limit, round((group.due_at - now) * 1000))
             self._queue(group)
 
     def _head(self, group: _Group) -> Copy | None:
@@ -227,6 +266,7 @@ class WorkerRates:
     def _forget(self, copy: Copy) -> None:
         self._waits.pop(copy, None)
         self._lanes.pop(copy, None)
+        self._named.pop(copy, None)
 
     def _ask(self, group: _Group) -> None:
         head = self._head(group)
@@ -259,10 +299,15 @@ class WorkerRates:
             group.waiting.popleft()
             lane = self._lanes.get(head)
             self._forget(head)
-            next_ms = max(outcome.next_at_ms, default=outcome.at_ms) - outcome.at_ms
+            next_at = max(outcome.next_at_ms, default=outcome.at_ms)
+            next_ms = next_at - outcome.at_ms
             group.due_at = now + next_ms / 1000
             self.w.counters.incr("rate_allowed")
             if group.waiting:
+                if next_ms > 0:
+                    # the store said when the next start may go: the rest wait until then
+                    longest = group.limits[outcome.next_at_ms.index(next_at)].name
+                    self._hold(group, longest, next_ms)
                 self._queue(group)
             self._grant(head, lane)
             return
@@ -270,7 +315,7 @@ class WorkerRates:
             group.errors = 0
             group.due_at = now + outcome.retry_after_ms / 1000
             self.w.counters.incr("rate_limited")
-            self._hold(group, outcome)
+            self._hold(group, outcome.limit, outcome.retry_after_ms)
             self._queue(group)
             return
         self._failed(group, outcome)
@@ -295,12 +340,22 @@ class WorkerRates:
     def _grant(self, copy: Copy, lane: Any) -> None:
         if copy.hold_reason == "rate":
             copy.hold_reason = ""
+            # it was reported waiting (task_held): report that it waits no more
+            signals.rate_passed.send(
+                sender=copy.request.task,
+                request=copy.request,
+                claim_id=copy.claim_id,
+                rate=copy.rate_limits[0].name if copy.rate_limits else "",
+                instance=copy.instance,
+            )
         self.w.slots.take_back(copy)
         self.granted(copy, lane)
 
-    def _hold(self, group: _Group, limited: RateLimited) -> None:
-        """Report every copy of ``group`` not yet reported; give back their prefetch slots."""
-        recheck_s = limited.retry_after_ms / 1000
+    def _hold(self, group: _Group, limit: str, wait_ms: int) -> None:
+        """Report every copy of ``group`` not yet reported as waiting ``wait_ms`` for
+        ``limit``; give back their prefetch slots."""
+        recheck_s = wait_ms / 1000
+        group.limit = limit
         for copy, wait in group.waiting:
             if copy.hold_reason == "rate" or self._waits.get(copy) != wait:
                 continue
@@ -316,7 +371,7 @@ class WorkerRates:
                 "Held %s[%s]: rate %s is used up; claimed, kept unacked, re-checking in %.3f s",
                 request.name,
                 request.id,
-                limited.limit,
+                limit,
                 recheck_s,
             )
             signals.task_held.send(
@@ -326,7 +381,7 @@ class WorkerRates:
                 claim_id=copy.claim_id,
                 holder=None,
                 recheck_s=recheck_s,
-                rate=limited.limit,
+                rate=limit,
                 instance=copy.instance,
             )
 
@@ -373,6 +428,16 @@ class WorkerRates:
         finally:
             self._schedule()
 
+    # --- what operators see (any thread) -------------------------------------------------
+
+    def waiting_per_rate(self) -> dict[str, int]:
+        """How many copies wait on each set of limits now (by the first limit's name)."""
+        counts: dict[str, int] = {}
+        for copy, name in self._named.copy().items():  # dict.copy(): atomic under the GIL
+            if copy.state is State.WAITING:
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
     # --- the connection closed -----------------------------------------------------------
 
     def drop_all(self) -> None:
@@ -382,4 +447,5 @@ class WorkerRates:
         self._groups.clear()
         self._waits.clear()
         self._lanes.clear()
+        self._named.clear()
         self._due.clear()

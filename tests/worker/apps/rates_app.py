@@ -4,7 +4,8 @@ Configured from the environment: ``CLAIMS_TEST_BROKER``, ``CLAIMS_TEST_BACKEND``
 result backend, the claim store and the start log), ``CLAIMS_TEST_QUEUE`` (the limited tasks'
 queue; ``<queue>-other`` is a second queue), ``CLAIMS_TEST_RATE`` (the tasks' rate, default
 ``10/s``), ``CLAIMS_TEST_FLEETWIDE`` ("1": ``claims_rate_limit_fleetwide``),
-``CLAIMS_TEST_BAD`` (an attribute to spoil: ``rate`` or ``key``). Every task logs its start
+``CLAIMS_TEST_BAD`` (an attribute to spoil: ``rate`` or ``key``), ``CLAIMS_TEST_LANES`` (JSON
+of ``claims_lanes``). Every task logs its start
 to the Redis list ``starts:<queue>``; every ``task_held`` is logged there too.
 """
 
@@ -42,6 +43,7 @@ app.conf.update(
     result_expires=None,
     claims_redis_url=BACKEND,
     claims_rate_limit_fleetwide=os.environ.get("CLAIMS_TEST_FLEETWIDE") == "1",
+    claims_lanes=json.loads(os.environ.get("CLAIMS_TEST_LANES", "{}")),
 )
 install(app)
 
@@ -96,9 +98,9 @@ def customer_task(self: Any, customer: Any) -> None:
 
 
 @app.task(bind=True, name="rates.other")
-def other(self: Any) -> None:
-    """A task without a rate (sent to the other queue)."""
-    _start(self)
+def other(self: Any, customer: Any = None) -> None:
+    """A task without a rate of its own (sent to the other queue; in a lane there)."""
+    _start(self, customer=customer)
 
 
 @task_held.connect
