@@ -860,8 +860,10 @@ SETTINGS: tuple[Setting, ...] = (
         '`"limit_per_key"` (an int from 1 to `limit`): at most that many of its tasks with one '
         'key run at once, fleet-wide, within `limit` (e.g. `{"queues": ["exports"], '
         '"limit": 20, "key": "tenant_id", "limit_per_key": 2}`); a message whose key cannot be '
-        "made is refused (recorded as failed with `KeyRefused`). See `docs/celery.md`, "
-        "*Lanes*, and `docs/lanes.md`, *Keyed lanes*.",
+        'made is refused (recorded as failed with `KeyRefused`). A lane may have a `"rate"` '
+        '(`"100/m"`) beside or instead of its `limit`: at most that many of its tasks start '
+        "per period across the fleet (per key with `key`; see docs/rates.md). See "
+        "`docs/celery.md`, *Lanes*, and `docs/lanes.md`, *Keyed lanes*.",
         default_doc="none",
     ),
     Setting(
