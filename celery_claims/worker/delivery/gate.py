@@ -457,6 +457,7 @@ class ClaimGate:
     def drop_connection_state(self) -> None:
         """Forget what belongs to the closing connection (reentrant, no logging)."""
         self._stopping = True
+        self.life.rates.closing = True  # rate replies drained below decide nothing
         with contextlib.suppress(Exception):
             self._drop_leftovers()
         if self._pipe is not None:

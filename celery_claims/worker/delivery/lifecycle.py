@@ -175,6 +175,7 @@ class Lifecycle:
     def loop_started(self) -> None:
         """The consumer (re)started, on its loop's thread: the loop can be woken again."""
         self.w.waker.attach(self.w.consumer)
+        self.rates.resume()
 
     def on_loop(self) -> None:
         """The caller is the consumer's event loop (the gate calls this for each message)."""

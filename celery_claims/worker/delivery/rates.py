@@ -166,6 +166,8 @@ class WorkerRates:
         self._lanes: dict[Copy, Any] = {}
         #: the name of the first limit each waiting copy waits on (what operators see)
         self._named: dict[Copy, str] = {}
+        #: the consumer's connection is closing: replies still on their way decide nothing
+        self.closing = False
 
     # --- what a copy is limited by -------------------------------------------------------
 
@@ -239,6 +241,8 @@ class WorkerRates:
         if group is None:
             group = self._groups[names] = _Group(tuple(limits))
         wait = next(self._seq)
+        if copy.hold_reason == "rate":
+            copy.hold_reason = ""  # it waited before, lost its claim and got it again
         self._waits[copy] = wait
         self._lanes[copy] = lane
         self._named[copy] = limits[0].name
@@ -289,6 +293,8 @@ class WorkerRates:
 
     def _answered(self, group: _Group, outcome: Any) -> None:
         group.asking = False
+        if self.closing:
+            return  # the connection closes: the lifecycle releases the waiting copies
         head = self._head(group)
         if head is None:
             self._ask(group)  # nothing waits any more: the group goes
@@ -302,11 +308,15 @@ class WorkerRates:
             next_at = max(outcome.next_at_ms, default=outcome.at_ms)
             next_ms = next_at - outcome.at_ms
             group.due_at = now + next_ms / 1000
+            longest = group.limits[outcome.next_at_ms.index(next_at)].name
+            group.limit = longest
             self.w.counters.incr("rate_allowed")
-            if group.waiting:
+            if not group.waiting:
+                # an idle group costs nothing here either: the store keeps its next time
+                self._groups.pop(tuple(limit.name for limit in group.limits), None)
+            else:
                 if next_ms > 0:
                     # the store said when the next start may go: the rest wait until then
-                    longest = group.limits[outcome.next_at_ms.index(next_at)].name
                     self._hold(group, longest, next_ms)
                 self._queue(group)
             self._grant(head, lane)
@@ -438,11 +448,16 @@ class WorkerRates:
                 counts[name] = counts.get(name, 0) + 1
         return counts
 
-    # --- the connection closed -----------------------------------------------------------
+    # --- the connection -------------------------------------------------------------------
+
+    def resume(self) -> None:
+        """The consumer (re)started: replies decide again."""
+        self.closing = False
 
     def drop_all(self) -> None:
         """Forget every wait (the consumer's connection closes: the lifecycle releases the
         waiting copies' claims, and the broker delivers them again). Reentrant, no logging."""
+        self.closing = True
         self._cancel_timer()
         self._groups.clear()
         self._waits.clear()
