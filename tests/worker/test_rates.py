@@ -384,3 +384,43 @@ def test_stats_list_and_inspect_say_which_rate_holds_a_waiting_copy(
     assert "waiting (rate task:rates.tick)" in listed, listed
     assert "WAITING for rate task:rates.tick (claimed, not running yet)" in inspected, inspected
     assert "waiting for rate task:rates.tick (used up)" in inspected
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_broker_connection_releases_the_claims_of_copies_waiting_for_their_rate(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given one worker on the Redis broker, a task at "1/m", 4 copies sent: 3 wait
+    backend = broker = private_redis.url
+    queue = unique("q")
+    rates_worker(
+        fleet, "a", broker=broker, backend=backend, queue=queue, env={"CLAIMS_TEST_RATE": "1/m"}
+    ).wait_ready()
+    client = fleet.client(broker, backend, queue)
+    for i in range(4):
+        client.send_task("rates.tick", task_id=f"w-{i}")
+    wait_for(
+        lambda: len([e for e in _log(backend, queue) if e["event"] == "held"]) == 3,
+        timeout=10,
+        what="3 copies waiting for the rate",
+    )
+    waiting = sorted({e["id"] for e in _log(backend, queue) if e["event"] == "held"})
+    cli = ("--redis-url", backend, "--prefix", "claims")
+
+    # When every connection of the worker is killed (its consumer reconnects)
+    with contextlib.closing(redis.Redis.from_url(backend)) as plain:
+        plain.client_kill_filter(_type="normal", skipme=True)
+
+    # Then each waiting copy's claim was released, and its message, delivered again, is
+    # claimed again and waits again: nothing ran early, nothing was lost
+    def released_and_waiting_again() -> bool:
+        for task_id in waiting:
+            text = run_cli(*cli, "inspect", task_id).stdout
+            if "connection closed before it ran" not in text or "WAITING for rate" not in text:
+                return False
+        return True
+
+    wait_for(released_and_waiting_again, timeout=30, what="released, then waiting again")
+    assert [e["id"] for e in _starts(backend, queue, "rates.tick")] == [
+        next(f"w-{i}" for i in range(4) if f"w-{i}" not in waiting)
+    ]
