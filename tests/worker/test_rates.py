@@ -17,7 +17,8 @@ import pytest
 import redis
 
 from tests.cli.conftest import json_of, run_cli
-from tests.servers import RedisServer
+from tests.cli.test_metrics import scrape, total
+from tests.servers import RedisServer, free_port
 from tests.worker.helpers import HELD_RECHECK_MS, LEASE_MS, RENEW_INTERVAL_MS, unique, wait_for
 from tests.worker.processes import Fleet, Proc
 
@@ -349,10 +350,9 @@ def test_stats_list_and_inspect_say_which_rate_holds_a_waiting_copy(
 ) -> None:
     # Given one worker and a task at "1/s" with 4 copies sent at once: 3 wait for the rate
     backend = broker = private_redis.url
-    queue = unique("q")
-    rates_worker(
-        fleet, "a", broker=broker, backend=backend, queue=queue, env={"CLAIMS_TEST_RATE": "1/m"}
-    ).wait_ready()
+    queue, port = unique("q"), free_port()
+    env = {"CLAIMS_TEST_RATE": "1/m", "CLAIMS_TEST_METRICS_PORT": str(port)}
+    rates_worker(fleet, "a", broker=broker, backend=backend, queue=queue, env=env).wait_ready()
     client = fleet.client(broker, backend, queue)
     for i in range(4):
         client.send_task("rates.tick", task_id=f"v-{i}")
@@ -377,6 +377,7 @@ def test_stats_list_and_inspect_say_which_rate_holds_a_waiting_copy(
     text = run_cli(*cli, "stats").stdout
     listed = run_cli(*cli, "list").stdout
     inspected = run_cli(*cli, "inspect", held[0]).stdout
+    scraped = scrape(port)
 
     # Then each names the rate, and stats counts the copies waiting for it
     assert stats["rates"] == [{"rate": "task:rates.tick", "waiting": 3}]
@@ -384,6 +385,17 @@ def test_stats_list_and_inspect_say_which_rate_holds_a_waiting_copy(
     assert "waiting (rate task:rates.tick)" in listed, listed
     assert "WAITING for rate task:rates.tick (claimed, not running yet)" in inspected, inspected
     assert "waiting for rate task:rates.tick (used up)" in inspected
+    # and the worker's exporter counts them, and its checks: the allowance of the first copy,
+    # which said when the next start may go, and at most one refusal (a copy that came after
+    # the first had gone asks once); none since: nothing polls
+    waiting = {
+        dict(labels)["rate"]: value
+        for (name, labels), value in scraped.items()
+        if name == "celery_claims_worker_rate_waiting"
+    }
+    assert waiting == {"task:rates.tick": 3}
+    assert total([scraped], "celery_claims_worker_rate_checks_total", outcome="allowed") == 1
+    assert total([scraped], "celery_claims_worker_rate_checks_total", outcome="limited") <= 1
 
 
 @pytest.mark.timeout(60)

@@ -5,8 +5,9 @@ result backend, the claim store and the start log), ``CLAIMS_TEST_QUEUE`` (the l
 queue; ``<queue>-other`` is a second queue), ``CLAIMS_TEST_RATE`` (the tasks' rate, default
 ``10/s``), ``CLAIMS_TEST_FLEETWIDE`` ("1": ``claims_rate_limit_fleetwide``),
 ``CLAIMS_TEST_BAD`` (an attribute to spoil: ``rate`` or ``key``), ``CLAIMS_TEST_LANES`` (JSON
-of ``claims_lanes``). Every task logs its start
-to the Redis list ``starts:<queue>``; every ``task_held`` is logged there too.
+of ``claims_lanes``), ``CLAIMS_TEST_METRICS_PORT`` (the worker's Prometheus exporter). Every
+task logs its start to the Redis list ``starts:<queue>``; every ``task_held`` is logged there
+too.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ app.conf.update(
     claims_lanes=json.loads(os.environ.get("CLAIMS_TEST_LANES", "{}")),
 )
 install(app)
+if os.environ.get("CLAIMS_TEST_METRICS_PORT"):
+    from celery_claims.metrics import install_metrics
+
+    app.conf.claims_metrics_port = os.environ["CLAIMS_TEST_METRICS_PORT"]
+    install_metrics(app)
 
 _log: redis.Redis | None = None
 
