@@ -423,9 +423,10 @@ def fleet_rate_limits(consumer: Any, fleetwide: Callable[[Any, str], bool]) -> N
     ``consumer.reset_rate_limits()`` with ``consumer.bucket_for_task(task)``, again whenever
     ``celery control rate_limit`` changes a limit) and sleeps requests through it. The
     consumer's own ``bucket_for_task`` is replaced on this instance with one that gives such
-    a task no bucket, and the buckets are made again. Checked on Celery 5.3 to 5.7
-    (``celery/worker/consumer/consumer.py``, ``celery/worker/strategy.py``); without those
-    attributes nothing changes: the task is then limited both per worker and per fleet.
+    a task no bucket, and the buckets are made again. Read in Celery 5.7
+    (``celery/worker/consumer/consumer.py``, ``celery/worker/strategy.py``; the tox matrix of
+    5.3 to 5.6 was not run for it yet); without those attributes nothing changes: the task
+    is then limited both per worker and per fleet.
     """
     inner = getattr(consumer, "bucket_for_task", None)
     reset = getattr(consumer, "reset_rate_limits", None)
