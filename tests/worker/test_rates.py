@@ -185,6 +185,31 @@ def test_celerys_rate_limit_made_fleetwide_holds_across_the_fleet(
 
 
 @pytest.mark.timeout(60)
+def test_a_fleetwide_worker_no_longer_sleeps_on_celerys_own_rate_limit(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given claims_rate_limit_fleetwide, one worker, and a task with rate_limit="5/s" and a
+    # looser claims_rate="20/s" (which wins: Celery's token bucket must be off for it)
+    backend = broker = private_redis.url
+    queue = unique("q")
+    env = {"CLAIMS_TEST_FLEETWIDE": "1"}
+    rates_worker(fleet, "a", broker=broker, backend=backend, queue=queue, env=env).wait_ready()
+    client = fleet.client(broker, backend, queue)
+
+    # When 40 are sent
+    began = time.time()
+    results = [client.send_task("rates.both", task_id=f"b-{i}") for i in range(40)]
+    for result in results:
+        result.get(timeout=30)
+    starts = sorted(e["at"] for e in _starts(backend, queue, "rates.both"))
+
+    # Then they ran at 20/s (about 2 s), not at Celery's 5/s (8 s)
+    assert len(starts) == 40
+    assert _most_in_window(starts) <= 20
+    assert starts[-1] - began <= 2 * SLACK + 0.5, starts[-1] - began
+
+
+@pytest.mark.timeout(60)
 def test_a_rate_per_key_holds_per_customer_and_customers_take_turns(
     request: pytest.FixtureRequest, broker: str, fleet: Fleet, private_redis: RedisServer
 ) -> None:

@@ -91,6 +91,14 @@ def celery_tick(self: Any) -> None:
     time.sleep(0.02)
 
 
+@app.task(bind=True, name="rates.both", rate_limit="5/s", claims_rate="20/s")
+def both(self: Any) -> None:
+    """Celery's ``rate_limit`` and a looser ``claims_rate``: under
+    ``claims_rate_limit_fleetwide`` the latter is the task's only rate."""
+    _start(self)
+    time.sleep(0.02)
+
+
 @app.task(
     bind=True,
     name="rates.customer",
