@@ -41,6 +41,7 @@ from celery_claims.observe.views import (
     mark_waiting,
     server_now_ms,
     waiting_per_lane,
+    waiting_per_rate,
     with_celery_lanes,
 )
 
@@ -240,7 +241,8 @@ def list_command(ctx: click.Context, queue: str | None, as_json: bool) -> None:
 @_json_option
 @click.pass_context
 def stats(ctx: click.Context, top_keys: int, as_json: bool) -> None:
-    """Per-queue counters and live claims, and lane occupancy (per key in a keyed lane)."""
+    """Per-queue counters and live claims, lane occupancy (per key in a keyed lane), and the
+    copies waiting for each fleet-wide rate."""
     target = _target(ctx)
     with _errors(target):
         manager = target.manager()
@@ -256,10 +258,12 @@ def stats(ctx: click.Context, top_keys: int, as_json: bool) -> None:
         claimed = [view for found in views.values() for view in found]
         histories = History(manager.client, manager.prefix).read_many(v.task_id for v in claimed)
         lanes = with_celery_lanes(lanes, limits, waiting_per_lane(claimed, histories))
+        # and so are the copies waiting for a fleet-wide rate
+        rates = waiting_per_rate(claimed, histories)
     if as_json:
-        _emit_json(render.stats_json(per_queue, live, lanes))
+        _emit_json(render.stats_json(per_queue, live, lanes, rates))
     else:
-        click.echo(render.stats_text(per_queue, live, lanes))
+        click.echo(render.stats_text(per_queue, live, lanes, rates))
 
 
 @claims.command()

@@ -36,6 +36,7 @@ from typing import Any
 from celery_claims.claims.keys import DEFAULT_PREFIX, require_prefix
 from celery_claims.connection import SCHEMES, describe
 from celery_claims.errors import InvalidArgument
+from celery_claims.rates.model import Rate, parse_rate
 
 __all__ = [
     "DEFAULT_CLEANUP_INTERVAL_S",
@@ -481,8 +482,8 @@ def closest(word: str, known: Iterable[str]) -> str | None:
 # --- lanes -----------------------------------------------------------------------------------
 
 #: The keys of one lane's dict in ``claims_lanes`` (a keyed lane has ``key`` and
-#: ``limit_per_key`` too).
-LANE_KEYS = ("queues", "limit", "kinds", "key", "limit_per_key")
+#: ``limit_per_key`` too; a rated lane ``rate``, beside or instead of ``limit``).
+LANE_KEYS = ("queues", "limit", "kinds", "key", "limit_per_key", "rate")
 
 
 @dataclass(frozen=True)
@@ -492,21 +493,35 @@ class LaneSpec:
     Attributes:
         name: the lane's name (its key in ``claims_lanes``; names its keys in the store).
         queues: the queues whose messages are in the lane.
-        limit: how many of the lane's tasks may run at once across the fleet (0 pauses it).
+        limit: how many of the lane's tasks may run at once across the fleet (0 pauses it;
+            None: no such limit, the lane has a ``rate`` only).
         kinds: the task names in the lane, or ``None`` for every task of ``queues``.
         key_names: the arguments a keyed lane's key is made of (empty with ``key_fn``).
         key_fn: the callable ``(args, kwargs) -> key value`` of a keyed lane, or None.
         limit_per_key: how many of the lane's tasks with one key may run at once across the
-            fleet (0: the lane has no key).
+            fleet (0: no per-key limit).
+        rate: at most this many of the lane's tasks start per period across the fleet (per
+            key of ``key``, when the lane has one), or None.
     """
 
     name: str
     queues: tuple[str, ...]
-    limit: int
+    limit: int | None
     kinds: frozenset[str] | None = None
     key_names: tuple[str, ...] = ()
     key_fn: KeyFunction | None = None
     limit_per_key: int = 0
+    rate: Rate | None = None
+
+    @property
+    def limited(self) -> bool:
+        """Whether the lane limits how many of its tasks run at once (a ``limit``)."""
+        return self.limit is not None
+
+    @property
+    def rate_keyed(self) -> bool:
+        """Whether the lane's rate is per key (its ``key``)."""
+        return self.rate is not None and (bool(self.key_names) or self.key_fn is not None)
 
     @property
     def keyed(self) -> bool:
@@ -560,15 +575,26 @@ def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
         if not isinstance(spec, Mapping):
             raise InvalidArgument("claims_lanes", f"lane {name!r} must be a dict, got {spec!r:.80}")
         _refuse_unknown_lane_keys(name, spec)
-        if "queues" not in spec or "limit" not in spec:
-            raise InvalidArgument("claims_lanes", f"lane {name!r} needs 'queues' and 'limit'")
+        if "queues" not in spec or ("limit" not in spec and "rate" not in spec):
+            raise InvalidArgument(
+                "claims_lanes", f"lane {name!r} needs 'queues' and 'limit' or 'rate' (or both)"
+            )
         queues = _names(f"lane {name!r} queues", spec["queues"])
-        limit = spec["limit"]
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= 1_000_000:
+        limit = spec.get("limit")
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= 1_000_000
+        ):
             raise InvalidArgument(
                 "claims_lanes",
                 f"lane {name!r} limit must be an int from 0 to 1000000, got {limit!r:.80}",
             )
+        rate = None
+        if "rate" in spec:
+            try:
+                rate = parse_rate(spec["rate"], name="claims_lanes")
+            except InvalidArgument as exc:
+                said = str(exc).removeprefix("claims_lanes: ")
+                raise InvalidArgument("claims_lanes", f"lane {name!r} rate {said}") from None
         kinds = spec.get("kinds")
         key_names, key_fn, limit_per_key = _lane_key(name, spec, limit)
         lanes.append(
@@ -580,6 +606,7 @@ def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
                 key_names=key_names,
                 key_fn=key_fn,
                 limit_per_key=limit_per_key,
+                rate=rate,
             )
         )
     for i, first in enumerate(lanes):
@@ -610,21 +637,31 @@ def _refuse_unknown_lane_keys(name: str, spec: Mapping[Any, Any]) -> None:
     raise InvalidArgument(
         "claims_lanes",
         f"lane {name!r} has unknown key{'s' if len(said) > 1 else ''} {', '.join(said)}; a "
-        f"lane takes queues, limit, kinds, key and limit_per_key",
+        f"lane takes queues, limit, kinds, key, limit_per_key and rate",
     )
 
 
 def _lane_key(
-    name: str, spec: Mapping[str, Any], limit: int
+    name: str, spec: Mapping[str, Any], limit: int | None
 ) -> tuple[tuple[str, ...], KeyFunction | None, int]:
-    """The key declaration and per-key limit of lane ``name`` (both or neither)."""
-    if ("key" in spec) != ("limit_per_key" in spec):
+    """The key declaration and per-key limit of lane ``name``: a key goes with a per-key
+    limit (which needs the lane's ``limit``), a per-key rate (``rate``), or both."""
+    if "limit_per_key" in spec and ("key" not in spec or limit is None):
         raise InvalidArgument(
-            "claims_lanes", f"lane {name!r}: 'key' and 'limit_per_key' go together"
+            "claims_lanes", f"lane {name!r}: 'limit_per_key' goes with 'key' and 'limit'"
+        )
+    if "key" in spec and "limit_per_key" not in spec and "rate" not in spec:
+        raise InvalidArgument(
+            "claims_lanes",
+            f"lane {name!r}: 'key' goes with 'limit_per_key' (a per-key limit), 'rate' (a "
+            f"per-key rate), or both",
         )
     if "key" not in spec:
         return (), None, 0
     names, fn = parse_key_declaration(f"claims_lanes: lane {name!r} key", spec["key"])
+    if "limit_per_key" not in spec:
+        return names, fn, 0
+    assert limit is not None
     per_key = spec["limit_per_key"]
     if (
         isinstance(per_key, bool)
@@ -833,8 +870,10 @@ SETTINGS: tuple[Setting, ...] = (
         '`"limit_per_key"` (an int from 1 to `limit`): at most that many of its tasks with one '
         'key run at once, fleet-wide, within `limit` (e.g. `{"queues": ["exports"], '
         '"limit": 20, "key": "tenant_id", "limit_per_key": 2}`); a message whose key cannot be '
-        "made is refused (recorded as failed with `KeyRefused`). See `docs/celery.md`, "
-        "*Lanes*, and `docs/lanes.md`, *Keyed lanes*.",
+        'made is refused (recorded as failed with `KeyRefused`). A lane may have a `"rate"` '
+        '(`"100/m"`) beside or instead of its `limit`: at most that many of its tasks start '
+        "per period across the fleet (per key with `key`; see docs/rates.md). See "
+        "`docs/celery.md`, *Lanes*, and `docs/lanes.md`, *Keyed lanes*.",
         default_doc="none",
     ),
     Setting(
@@ -924,6 +963,19 @@ SETTINGS: tuple[Setting, ...] = (
         "Countdown of a keyed message published again because its key is held "
         "(`reschedule` policy). Default of the task attribute.",
         unit="s",
+    ),
+    Setting(
+        "claims_rate_limit_fleetwide",
+        _bool,
+        False,
+        "Make Celery's own `rate_limit` task attribute a fleet-wide rate: at most that many "
+        "starts per period across every worker, counted in the claim store like "
+        "`claims_rate` (which wins where both are set), and the worker no longer sleeps on "
+        "it (Celery's per-worker token bucket is turned off for those tasks). Its value must "
+        "then be a rate `claims_rate` takes (`'10/s'`, `'10/m'`, `'10/h'`; not `0.5/s` nor "
+        "a bare number): a refused one stops the worker naming `<task>.rate_limit`. See "
+        "docs/rates.md.",
+        unit="bool",
     ),
     Setting(
         "claims_metrics_port",

@@ -179,6 +179,26 @@ class WorkerCollector(Collector):
         )
         held.add_metric([worker], len(self.runtime.held_copies()))
         yield held
+        waiting = GaugeMetricFamily(
+            "celery_claims_worker_rate_waiting",
+            "Copies this worker keeps claimed and unacked now, waiting for a fleet-wide rate "
+            "(by the name of the first limit they wait on: task:<task>, key:<task>:<key>, "
+            "lane:<lane>...).",
+            labels=["worker", "rate"],
+        )
+        rates = getattr(getattr(self.runtime, "life", None), "rates", None)
+        for name, count in sorted(rates.waiting_per_rate().items() if rates else ()):
+            waiting.add_metric([worker, name], count)
+        yield waiting
+        starts = CounterMetricFamily(
+            "celery_claims_worker_rate_checks",
+            "Rate checks of this worker by outcome: allowed (a start counted), limited (told "
+            "to wait), unavailable (the store did not answer).",
+            labels=["worker", "outcome"],
+        )
+        for outcome in ("allowed", "limited", "unavailable"):
+            starts.add_metric([worker, outcome], values.get(f"rate_{outcome}", 0))
+        yield starts
 
 
 class StoreCollector(Collector):
@@ -343,7 +363,7 @@ def worker_registry(runtime: Any, *, store: bool = True) -> CollectorRegistry:
     registry.register(WorkerCollector(runtime))
     if store:
         lanes = getattr(getattr(runtime, "settings", None), "lanes", ())
-        limits = {spec.name: spec.limit for spec in lanes}
+        limits = {spec.name: spec.limit for spec in lanes if spec.limit is not None}
         registry.register(StoreCollector(runtime.manager, lane_limits=limits))
     return registry
 

@@ -47,6 +47,8 @@ TASK_ATTRIBUTES = (
     "claims_key_reschedule_s",
     "claims_key_done_ttl",
     "claims_ack_on_claim",
+    "claims_rate",
+    "claims_rate_key",
 )
 _ALL = sorted(SETTING_NAMES | set(TASK_ATTRIBUTES))
 

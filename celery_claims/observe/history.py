@@ -197,14 +197,17 @@ class HistoryEvent:
         at_ms: epoch ms (the worker's clock) of the decision.
         event: ``"skipped"`` (acked without running), ``"held"`` (kept unacked),
             ``"waiting"`` (claimed, waiting for a slot of its full lane), ``"lane_slot"`` (got
-            the slot it waited for: to the pool), ``"took_over"`` (ran after another owner's
-            lease expired), ``"lease_lost"`` (fenced while running), ``"released"`` (the
+            the slot it waited for: to the pool), ``"rate_wait"`` (claimed, waiting for its
+            fleet-wide rate), ``"rate_pass"`` (its rate let it start), ``"took_over"`` (ran
+            after another owner's lease expired), ``"lease_lost"`` (fenced while running),
+            ``"released"`` (the
             attempt ended without success, its claim released: a later copy runs it again),
             or ``"acquired"`` (ran; with ``record_acquired``, or a keyed copy that was held
             got its key).
         reason: for ``skipped``: a :class:`SkipReason` value; for ``held``:
             ``"held"`` (another lease is live) or ``"unavailable"`` (the claim store was
-            down); for ``waiting`` and ``lane_slot``: the lane; for ``released``: why (e.g.
+            down); for ``waiting`` and ``lane_slot``: the lane; for ``rate_wait`` and
+            ``rate_pass``: the rate's limit name; for ``released``: why (e.g.
             ``"failed (ValueError)"``, ``"revoked"``, ``"hard time limit"``); else empty.
         worker: the worker's node name.
         claim_id: ``queue/task:retries:nesting`` (a keyed task's copy: ``queue/<key field>``,

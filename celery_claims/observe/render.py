@@ -147,6 +147,13 @@ def event_text(event: HistoryEvent) -> str:
             f"claimed on {event.worker} (instance {event.instance}), waiting for a slot of "
             f"lane {event.reason} (full)"
         )
+    if event.event == "rate_wait":
+        return (
+            f"claimed on {event.worker} (instance {event.instance}), waiting for rate "
+            f"{event.reason} (used up): kept unacked, re-checked when its window frees"
+        )
+    if event.event == "rate_pass":
+        return f"rate {event.reason} let it start on {event.worker} (instance {event.instance})"
     if event.event == "lane_slot":
         return (
             f"got a slot of lane {event.reason} on {event.worker} (instance "
@@ -179,7 +186,7 @@ def describe_views(views: Iterable[ClaimView]) -> list[str]:
         elif v.state == "waiting":
             lines.append(
                 f"{v.queue}: attempt {v.attempt} claimed by {v.owner} (instance {v.instance}), "
-                f"waiting for a slot of lane {v.lane}; lease {v.remaining_ms / 1000:.1f} s left"
+                f"waiting for {_waits_for(v)}; lease {v.remaining_ms / 1000:.1f} s left"
             )
         elif v.state == "running":
             lines.append(
@@ -210,7 +217,7 @@ def claim_line(view: ClaimView, now_ms: int) -> str:
         )
     if view.state == "waiting":
         return (
-            head + f"WAITING for a slot of lane {view.lane} (claimed, not running yet), held by "
+            head + f"WAITING for {_waits_for(view)} (claimed, not running yet), held by "
             f"{view.owner} (instance {view.instance}) since {utc(view.since_ms)}, lease until "
             f"{utc(view.until_ms)} ({seconds(view.remaining_ms)} left)"
         )
@@ -226,8 +233,14 @@ def claim_line(view: ClaimView, now_ms: int) -> str:
     )
 
 
+def _waits_for(view: ClaimView) -> str:
+    return f"rate {view.rate}" if view.rate else f"a slot of lane {view.lane}"
+
+
 def _state(view: ClaimView) -> str:
-    return f"waiting (lane {view.lane})" if view.state == "waiting" else view.state
+    if view.state != "waiting":
+        return view.state
+    return f"waiting (rate {view.rate})" if view.rate else f"waiting (lane {view.lane})"
 
 
 def _without_claim(history: Sequence[HistoryEvent]) -> str:
@@ -278,21 +291,32 @@ def list_text(queue: str | None, queues: Sequence[str], views: Sequence[ClaimVie
     waiting = sum(1 for v in views if v.state == "waiting")
     return (
         f"{table(headers, rows)}\n\n"
-        f"{len(views)} live claim(s), {waiting} of them waiting for a lane slot"
+        f"{len(views)} live claim(s), {waiting} of them waiting for a lane slot or a rate"
     )
 
 
 def stats_json(
-    per_queue: Mapping[str, ClaimStats], live: Mapping[str, int], lanes: Sequence[LaneOccupancy]
+    per_queue: Mapping[str, ClaimStats],
+    live: Mapping[str, int],
+    lanes: Sequence[LaneOccupancy],
+    rates: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """``claims stats --json``."""
+    """``claims stats --json`` (``rates``: rate name -> copies waiting for it)."""
     return {
         "queues": {
             q: {"live": live[q], **{k: getattr(s, k) for k in STAT_FIELDS}}
             for q, s in per_queue.items()
         },
         "lanes": [lane.as_dict() for lane in lanes],
+        "rates": [{"rate": name, "waiting": n} for name, n in sorted((rates or {}).items())],
     }
+
+
+def rates_text(rates: Mapping[str, int]) -> str:
+    """The rate table of ``claims stats``: the copies claimed and waiting for each rate."""
+    if not rates:
+        return "rates: no copy waits for a fleet-wide rate"
+    return table(("RATE", "WAITING"), sorted(rates.items()))
 
 
 def lanes_text(lanes: Sequence[LaneOccupancy]) -> str:
@@ -313,9 +337,12 @@ def lanes_text(lanes: Sequence[LaneOccupancy]) -> str:
 
 
 def stats_text(
-    per_queue: Mapping[str, ClaimStats], live: Mapping[str, int], lanes: Sequence[LaneOccupancy]
+    per_queue: Mapping[str, ClaimStats],
+    live: Mapping[str, int],
+    lanes: Sequence[LaneOccupancy],
+    rates: Mapping[str, int] | None = None,
 ) -> str:
-    """``claims stats``: the per-queue counters and the lanes."""
+    """``claims stats``: the per-queue counters, the lanes and the rates waited for."""
     if per_queue:
         rows = [
             (q, live[q], *(getattr(s, k) for k in STAT_FIELDS))
@@ -324,7 +351,7 @@ def stats_text(
         queues = table(("QUEUE", "LIVE", *(k.upper() for k in STAT_FIELDS)), rows)
     else:
         queues = "no queue has been claimed in yet"
-    return f"{queues}\n\n{lanes_text(lanes)}"
+    return f"{queues}\n\n{lanes_text(lanes)}\n\n{rates_text(rates or {})}"
 
 
 def inspect_json(

@@ -38,6 +38,7 @@ __all__ = [
     "mark_waiting",
     "server_now_ms",
     "waiting_per_lane",
+    "waiting_per_rate",
     "with_celery_lanes",
 ]
 
@@ -100,6 +101,8 @@ class ClaimView:
         remaining_ms: lease left (``running``), else 0.
         takeovers: for ``given_up``, the takeovers granted before it was given up, else 0.
         lane: for ``waiting``, the lane it waits for, else empty.
+        rate: for ``waiting``, the fleet-wide rate it waits for (a limit's name, e.g.
+            ``task:proj.send``), else empty.
         key: for a keyed task's claim (``claims_key``), the key's field
             (``<task or namespace>[<key>]``): ``task_id`` and ``attempt`` are then the holder's
             (or, for ``done``, the task that finished the key); else empty.
@@ -117,6 +120,7 @@ class ClaimView:
     takeovers: int = 0
     lane: str = ""
     key: str = ""
+    rate: str = ""
 
     @property
     def claim_id(self) -> str:
@@ -335,7 +339,9 @@ def mark_waiting(
     marked = []
     for view in views:
         last = _waits_for_lane(view, histories)
-        if last is not None:
+        if last is not None and last.event == "rate_wait":
+            view = replace(view, state="waiting", rate=last.reason)
+        elif last is not None:
             # in a keyed lane the event names the key it waits for: `lane[key]`
             lane = f"{last.reason}[{last.other}]" if last.other else last.reason
             view = replace(view, state="waiting", lane=lane)
@@ -346,18 +352,19 @@ def mark_waiting(
 def _waits_for_lane(
     view: ClaimView, histories: Mapping[str, Sequence[HistoryEvent]]
 ) -> HistoryEvent | None:
-    """The ``waiting`` event of a live claim whose copy still waits for its lane, else None."""
+    """The ``waiting`` (or ``rate_wait``) event of a live claim whose copy still waits for its
+    lane (or its rate), else None."""
     if view.state != "running":
         return None
     last = None
     for event in histories.get(view.task_id, ()):
         if (
-            event.event in ("waiting", "lane_slot")
+            event.event in ("waiting", "lane_slot", "rate_wait", "rate_pass")
             and event.claim_id == view.claim_id
             and event.instance == view.instance
         ):
             last = event
-    return last if last is not None and last.event == "waiting" else None
+    return last if last is not None and last.event in ("waiting", "rate_wait") else None
 
 
 def waiting_per_lane(
@@ -373,7 +380,25 @@ def waiting_per_lane(
     counts: dict[str, int] = {}
     for view in views:
         event = _waits_for_lane(view, histories)
-        if event is not None:
+        if event is not None and event.event == "waiting":
+            counts[event.reason] = counts.get(event.reason, 0) + 1
+    return counts
+
+
+def waiting_per_rate(
+    views: Iterable[ClaimView], histories: Mapping[str, Sequence[HistoryEvent]]
+) -> dict[str, int]:
+    """How many claimed copies wait for each fleet-wide rate (by the name of the limit that
+    held them: ``task:<task>``, ``key:<task>:<key>``, ``lane:<lane>``...).
+
+    Args:
+        views: the live claims (:func:`list_views`), not yet marked.
+        histories: task id -> its history, oldest first.
+    """
+    counts: dict[str, int] = {}
+    for view in views:
+        event = _waits_for_lane(view, histories)
+        if event is not None and event.event == "rate_wait":
             counts[event.reason] = counts.get(event.reason, 0) + 1
     return counts
 

@@ -35,6 +35,7 @@ __all__ = [
     "close_result_backend",
     "close_with",
     "fail_unrun",
+    "fleet_rate_limits",
     "message_state",
     "pool_name",
     "republish",
@@ -412,3 +413,31 @@ def hook_request(request: Any, hooks: RequestHooks) -> None:
     request.on_failure = claims_on_failure
     request.on_timeout = claims_on_timeout
     request.execute_using_pool = claims_execute_using_pool
+
+
+def fleet_rate_limits(consumer: Any, fleetwide: Callable[[Any, str], bool]) -> None:
+    """Turn Celery's per-worker ``rate_limit`` token bucket off for the tasks ``fleetwide``
+    says have a fleet-wide rate instead (``claims_rate_limit_fleetwide``).
+
+    Celery's strategy takes a task's bucket from ``consumer.task_buckets`` (filled by
+    ``consumer.reset_rate_limits()`` with ``consumer.bucket_for_task(task)``, again whenever
+    ``celery control rate_limit`` changes a limit) and sleeps requests through it. The
+    consumer's own ``bucket_for_task`` is replaced on this instance with one that gives such
+    a task no bucket, and the buckets are made again. Read in Celery 5.7
+    (``celery/worker/consumer/consumer.py``, ``celery/worker/strategy.py``; the tox matrix of
+    5.3 to 5.6 was not run for it yet); without those attributes nothing changes: the task
+    is then limited both per worker and per fleet.
+    """
+    inner = getattr(consumer, "bucket_for_task", None)
+    reset = getattr(consumer, "reset_rate_limits", None)
+    if inner is None or reset is None or getattr(inner, "claims_fleetwide", False):
+        return
+
+    def bucket_for_task(task: Any) -> Any:
+        if fleetwide(task, getattr(task, "name", "")):
+            return None
+        return inner(task)
+
+    bucket_for_task.claims_fleetwide = True  # type: ignore[attr-defined]  # idempotence mark
+    consumer.bucket_for_task = bucket_for_task
+    reset()

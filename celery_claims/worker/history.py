@@ -118,12 +118,18 @@ def _on_held(
     lane_key: str = "",
     instance: int = 0,
     key: str = "",
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
     if reason == "lane":
         # claimed but not running: what `claims list/inspect` must not call running
         event = HistoryEvent(
             _now_ms(), "waiting", lane, _hostname(request), claim_id, lane_key, instance
+        )
+    elif reason == "rate":
+        # so is a copy waiting for its fleet-wide rate
+        rate = str(kwargs.get("rate", ""))
+        event = HistoryEvent(
+            _now_ms(), "rate_wait", rate, _hostname(request), claim_id, "", instance
         )
     else:
         # a keyed copy held by another task's claim on its key waits on that key (indexed
@@ -178,6 +184,18 @@ def _on_lane_slot(
     **_: Any,
 ) -> None:
     event = HistoryEvent(_now_ms(), "lane_slot", lane, _hostname(request), claim_id, "", instance)
+    _post(request, event)
+
+
+def _on_rate_passed(
+    sender: Any = None,
+    request: Any = None,
+    claim_id: str = "",
+    rate: str = "",
+    instance: int = 0,
+    **_: Any,
+) -> None:
+    event = HistoryEvent(_now_ms(), "rate_pass", rate, _hostname(request), claim_id, "", instance)
     _post(request, event)
 
 
@@ -309,6 +327,7 @@ def connect_history(*, record_acquired: bool = False, ttl_ms: int = DEFAULT_HIST
         signals.claim_acquired.connect(_on_acquired, weak=False)
         signals.lease_lost.connect(_on_lease_lost, weak=False)
         signals.lane_slot.connect(_on_lane_slot, weak=False)
+        signals.rate_passed.connect(_on_rate_passed, weak=False)
         signals.claim_released.connect(_on_released, weak=False)
         worker_ready.connect(_on_worker_ready, weak=False)
         _connected["history"] = True

@@ -6,6 +6,7 @@ from typing import Any
 
 from celery_claims.errors import InvalidArgument
 from celery_claims.worker.delivery.keyed import check_key_arguments, key_spec, signature_of
+from celery_claims.worker.delivery.rates import rate_spec
 from celery_claims.worker.settings import ClaimsSettings
 
 __all__ = [
@@ -105,10 +106,11 @@ def _check_ack_on_claim(name: str, task: Any, settings: ClaimsSettings, *, keyed
 
 
 def check_task_policies(app: Any, settings: ClaimsSettings) -> None:
-    """Validate the per-task ``claims``, ``claims_lease_ms`` and keyed-claim attributes
-    (``claims_key`` and its ``claims_key_*``, :func:`~celery_claims.worker.delivery.keyed.key_spec`)
-    of every task, and that the tasks a keyed lane lists under ``kinds`` take its key's
-    arguments.
+    """Validate the per-task ``claims``, ``claims_lease_ms``, rate (``claims_rate``,
+    ``claims_rate_key``, :func:`~celery_claims.worker.delivery.rates.rate_spec`) and
+    keyed-claim attributes (``claims_key`` and its ``claims_key_*``,
+    :func:`~celery_claims.worker.delivery.keyed.key_spec`) of every task, and that the
+    tasks a keyed lane lists under ``kinds`` take its key's arguments.
 
     Raises:
         InvalidArgument: an attribute has the wrong type or an unusable value.
@@ -123,6 +125,7 @@ def check_task_policies(app: Any, settings: ClaimsSettings) -> None:
         if not name.startswith(EXEMPT_PREFIXES):
             keyed = key_spec(task, name, settings) is not None
             _check_ack_on_claim(name, task, settings, keyed=keyed)
+            rate_spec(task, name, fleetwide=settings.rate_limit_fleetwide)
     for lane in settings.lanes:
         # a keyed lane's tasks are known when it lists its kinds; the others' messages are
         # checked as they arrive (a message whose key cannot be made is refused)

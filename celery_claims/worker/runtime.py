@@ -53,7 +53,7 @@ class ClaimsRuntime:
         self.counters = Counters()
         #: the worker's lanes, when ``claims_lanes`` is configured
         self.lanes: WorkerLanes | None = None
-        if settings.lanes:
+        if any(spec.limited for spec in settings.lanes):
             store = WorkerLanes.new_store(settings, self.manager.client)
             self.lanes = WorkerLanes(settings, store, self.counters)
         #: every delivered copy and its state

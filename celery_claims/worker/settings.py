@@ -119,6 +119,8 @@ class ClaimsSettings:
             (``claims_key_conflict``: ``wait``, ``skip`` or ``reschedule``).
         key_reschedule_max: most reschedules of one keyed message (``reschedule`` policy).
         key_reschedule_s: countdown of a rescheduled keyed message.
+        rate_limit_fleetwide: Celery's ``rate_limit`` is a fleet-wide rate, not the worker's
+            token bucket (``claims_rate_limit_fleetwide``).
     """
 
     redis_url: str
@@ -149,6 +151,7 @@ class ClaimsSettings:
     key_conflict: str = "wait"
     key_reschedule_max: int = 3
     key_reschedule_s: float = 5.0
+    rate_limit_fleetwide: bool = False
 
     def renew_interval_for(self, lease_ms: int) -> int:
         """How often a claim of ``lease_ms`` is renewed, in ms.

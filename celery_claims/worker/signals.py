@@ -18,6 +18,7 @@ __all__ = [
     "lane_slot",
     "lease_lost",
     "task_held",
+    "rate_passed",
     "task_skipped",
 ]
 
@@ -31,12 +32,18 @@ task_skipped = Signal(name="celery_claims.task_skipped")
 
 #: A copy was held unacked instead of run. Arguments: ``request``, ``reason`` (``"held"`` while
 #: another worker's lease is live, ``"unavailable"`` while the claim store cannot be reached,
-#: ``"lane"`` while its lane is full: claimed, waiting for a slot), ``claim_id``, ``holder``
+#: ``"lane"`` while its lane is full: claimed, waiting for a slot; ``"rate"`` while a fleet-wide
+#: rate is used up: claimed, waiting for its turn to start), ``claim_id``, ``holder``
 #: (the other owner, or ``None``), ``recheck_s`` (next check); for ``"lane"`` also ``lane``
 #: (the lane's name), ``lane_key`` (its key in a keyed lane, else ``""``) and ``instance``
-#: (the fencing number of its claim); ``key``: a keyed task's key field (``claims_key``:
-#: ``<task or namespace>[<key>]``, the claim it waits for), else ``""``.
+#: (the fencing number of its claim); for ``"rate"`` also ``rate`` (the name of the limit that
+#: waits longest, e.g. ``task:proj.send``) and ``instance``; ``key``: a keyed task's key field
+#: (``claims_key``: ``<task or namespace>[<key>]``, the claim it waits for), else ``""``.
 task_held = Signal(name="celery_claims.task_held")
+
+#: A copy held for its fleet-wide rate may start now: to its lane or the pool. Arguments:
+#: ``request``, ``claim_id``, ``rate`` (the limit it waited for), ``instance``.
+rate_passed = Signal(name="celery_claims.rate_passed")
 
 #: A copy that waited for its full lane got a slot and goes to the pool. Arguments:
 #: ``request``, ``claim_id``, ``lane``, ``instance``.

@@ -47,7 +47,7 @@ def register_cleanup_task(app: Any) -> Any:
         try:
             most = settings.cleanup_limit if limit is None else limit
             removed = manager.cleanup_expired(limit=most)
-            if settings.lanes:
+            if any(spec.limited for spec in settings.lanes):
                 # the lane tickets of workers that are gone (the workers purge them too)
                 store = WorkerLanes.new_store(settings, manager.client)
                 WorkerLanes(settings, store, Counters()).purge(limit=most)

@@ -48,7 +48,7 @@ def test_a_lane_maps_its_queues_and_optional_kinds_to_a_spec() -> None:
         (["video"], "must be a dict of lane name"),
         ({"": {"queues": ["q"], "limit": 1}}, "lane names must be non-empty"),
         ({"v": ["q"]}, "lane 'v' must be a dict"),
-        ({"v": {"queues": ["q"]}}, "needs 'queues' and 'limit'"),
+        ({"v": {"queues": ["q"]}}, "needs 'queues' and 'limit' or 'rate'"),
         ({"v": {"queues": ["q"], "limit": 1, "max": 2}}, "unknown key 'max'; a lane takes queues"),
         ({"v": {"queues": ["q"], "limt": 1}}, "unknown key 'limt' \\(did you mean limit\\?\\)"),
         (
@@ -128,8 +128,10 @@ def test_a_keyed_lane_reads_its_key_and_per_key_limit(key: Any, names: Any, fn: 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"key": "tenant_id"}, "'key' and 'limit_per_key' go together"),
-        ({"limit_per_key": 1}, "'key' and 'limit_per_key' go together"),
+        ({"key": "tenant_id"}, "'key' goes with 'limit_per_key' .*, 'rate' .*, or both"),
+        ({"limit_per_key": 1}, "'limit_per_key' goes with 'key' and 'limit'"),
+        ({"rate": "10/x"}, "rate unit must be s, m or h"),
+        ({"rate": "0/s"}, "rate must allow at least 1 start"),
         ({"key": 42, "limit_per_key": 1}, "key.*must be an argument name"),
         ({"key": (), "limit_per_key": 1}, "key.*must be an argument name"),
         ({"key": "not a name", "limit_per_key": 1}, "is not an argument name"),
@@ -178,3 +180,32 @@ def test_a_keyed_lane_whose_listed_task_lacks_the_key_argument_stops_the_worker(
     # When the worker's start check runs, Then it names the lane and the missing argument
     with pytest.raises(InvalidArgument, match=r"lane 'exports' key.*takes no argument 'tenant_id'"):
         check_task_policies(app, load_settings(app))
+
+
+def test_a_lane_may_have_a_rate_beside_or_instead_of_its_limit_and_per_key() -> None:
+    # Given lanes with a rate: beside a limit, alone, and per key
+    lanes = {
+        "mail": {"queues": ["mail"], "rate": "100/m"},
+        "video": {"queues": ["video"], "limit": 2, "rate": "10/s"},
+        "sms": {"queues": ["sms"], "rate": "2/s", "key": "customer"},
+    }
+
+    # When the settings are read
+    by_name = {lane.name: lane for lane in _settings(claims_lanes=lanes).lanes}
+
+    # Then each carries its rate; the rate-only lanes limit nothing else
+    mail, video, sms = by_name["mail"], by_name["video"], by_name["sms"]
+    assert (mail.limit, mail.limited, str(mail.rate), mail.rate_keyed) == (
+        None,
+        False,
+        "100/m",
+        False,
+    )
+    assert (video.limit, video.limited, str(video.rate)) == (2, True, "10/s")
+    assert (sms.limit, sms.key_names, sms.limit_per_key, sms.rate_keyed) == (
+        None,
+        ("customer",),
+        0,
+        True,
+    )
+    assert not sms.keyed  # no per-key concurrency limit: its key is its rate's

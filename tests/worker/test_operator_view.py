@@ -51,7 +51,7 @@ def test_list_and_inspect_tell_a_message_waiting_for_its_lane_from_the_running_o
     assert claims["runs-1"]["state"] == "running"
     assert (claims["waits-1"]["state"], claims["waits-1"]["lane"]) == ("waiting", "one")
     assert "waiting (lane one)" in text.stdout, text.stdout
-    assert "2 live claim(s), 1 of them waiting for a lane slot" in text.stdout
+    assert "2 live claim(s), 1 of them waiting for a lane slot or a rate" in text.stdout
     assert "WAITING for a slot of lane one (claimed, not running yet)" in inspected.stdout
     assert "RUNNING" not in inspected.stdout
     assert "waiting for a slot of lane one (full)" in inspected.stdout  # the journal's line

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery_claims.model import ClaimToken
+from celery_claims.rates import Limit
 from celery_claims.worker.delivery.keyed import KeyedClaim
 from celery_claims.worker.delivery.lane_model import LaneSlot
 from celery_claims.worker.delivery.state import State
@@ -30,7 +31,8 @@ class Copy:
         delivery: its Redis delivery, whose ``unacked_index`` score the keeper refreshes.
         state: where it is.
         token: its claim, once acquired (renewals update ``expires_at``).
-        hold_reason: ``"held"`` or ``"unavailable"`` while held.
+        hold_reason: ``"held"`` or ``"unavailable"`` while held; ``"rate"`` while it waits
+            for its rate, once reported (``rates.py``).
         delay_ms: the current re-check delay while held.
         timer_entry: the pending re-check.
         start_by: when it must have started (``time.monotonic()``), or it is given up.
@@ -52,6 +54,8 @@ class Copy:
         key: its keyed claim (``claims_key``): ``queue_id`` and ``task_key`` are then the
             key's claim queue and field, and ``owner`` names the attempt (``keyed.py``).
         lane_key: its key in a keyed lane (``""`` when it is in none).
+        rate_limits: the fleet-wide rates its start must pass (its task's, its lane's), made
+            in the gate before its claim (``rates.py``).
         mark_start: its claim was granted by a takeover under ``claims_max_takeovers``: its
             start is marked in the store (by its pool process, ``guard.py``; by this process
             for an unguarded task), so that it counts toward the limit only once started.
@@ -89,6 +93,7 @@ class Copy:
     overran: bool = False
     key: KeyedClaim | None = None
     lane_key: str = ""
+    rate_limits: tuple[Limit, ...] = ()
     mark_start: bool = False
     pool_settles: bool = False
     acked_at_claim: bool = False

@@ -38,6 +38,7 @@ from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
 from celery_claims.worker.compat import (
     RequestHooks,
+    fleet_rate_limits,
     hook_request,
     request_fields,
     set_request_field,
@@ -106,6 +107,9 @@ class ClaimGate:
         self._pre: dict[Any, _Preclaim] = {}
         self.keys = KeySpecs(self.settings)
         self.life.bind(consumer, self._to_pool, self._claim, self._send)
+        if self.settings.rate_limit_fleetwide:
+            # Celery's rate_limit is counted fleet-wide by the lifecycle: no sleeping on it
+            fleet_rate_limits(consumer, self._fleet_rated)
 
     # --- entry point ------------------------------------------------------------------------
 
@@ -128,6 +132,8 @@ class ClaimGate:
                 lease_ms=pre.lease_ms,
                 guarded=is_guarded(request.task),
             )
+            # no key to make (claim_for sends no claim for such a task): this cannot refuse
+            copy.rate_limits = self.life.rates.limits_for(request, pre.queue_id)
             self._settle(copy, pre.outcome())
             return None
         # no claim rode kombu's write (or it failed there): claimed here under a new owner
@@ -146,6 +152,7 @@ class ClaimGate:
             # a keyed lane's key is made before the claim: a message without one is refused
             # (recorded as failed), never claimed and left waiting
             lane_key = lanes.key_of(queue_id, request) if lanes is not None else ""
+            rate_limits = self.life.rates.limits_for(request, queue_id)  # and a rate's key
         except KeyRefused as exc:
             self.life.unrun.refuse(request, exc, queue_id, task_key)
             return None
@@ -159,6 +166,7 @@ class ClaimGate:
             key=key,
             lane_key=lane_key,
         )
+        copy.rate_limits = rate_limits
         self._claim(copy)
         return None
 
@@ -172,6 +180,11 @@ class ClaimGate:
         if spec is None:
             return None
         return self.keys.claim(spec, request, queue_id, task_key, len(owner.encode("utf-8")))
+
+    def _fleet_rated(self, task: Any, name: str) -> bool:
+        # under claims_rate_limit_fleetwide every fleet-rated task is off Celery's bucket
+        # (its claims_rate wins over its rate_limit)
+        return self.life.rates.spec_of(task, name) is not None
 
     @property
     def store_pipe(self) -> Pipe | None:
@@ -246,14 +259,20 @@ class ClaimGate:
                 return None
             if getattr(task, "claims_key", None) is not None:
                 return None  # keyed: its key is made from the decoded arguments, in the gate
-            if task.rate_limit and not self.consumer.disable_rate_limits:
-                return None
+            if (
+                task.rate_limit
+                and not self.consumer.disable_rate_limits
+                and not self._fleet_rated(task, name)
+            ):
+                return None  # it reaches the gate from Celery's token bucket
             lease_ms = self._lease_ms(name, task)
             queue_id = self.queues.queue_of(message.delivery_info)
             lanes = self.runtime.lanes
             lane = lanes.lane_of(queue_id, name) if lanes is not None else None
             if lane is not None and lane.spec.keyed:
                 return None  # so is a keyed lane's key
+            if self.life.rates.needs_arguments(task, name, queue_id):
+                return None  # and a rate's key
             task_key = claim_task_id(task_id, attempt_of(headers))
             owner = new_owner(self.runtime.hostname)
             call = self._claim_call(queue_id, task_key, owner, lease_ms)
@@ -438,6 +457,7 @@ class ClaimGate:
     def drop_connection_state(self) -> None:
         """Forget what belongs to the closing connection (reentrant, no logging)."""
         self._stopping = True
+        self.life.rates.closing = True  # rate replies drained below decide nothing
         with contextlib.suppress(Exception):
             self._drop_leftovers()
         if self._pipe is not None:

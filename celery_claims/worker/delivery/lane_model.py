@@ -63,6 +63,7 @@ class Lane:
     """The state of one lane in one worker."""
 
     def __init__(self, spec: LaneSpec) -> None:
+        assert spec.limit is not None, "a lane with a rate only is not a Lane"
         self.spec = spec
         self.name = spec.name
         self.kind = spec.name

@@ -151,7 +151,8 @@ class WorkerLanes(LaneTickets):
         self.settings = settings
         self.store = store
         self.counters = counters
-        self.lanes = {spec.name: Lane(spec) for spec in settings.lanes}
+        # a lane with a rate only limits nothing here (delivery/rates.py counts its starts)
+        self.lanes = {spec.name: Lane(spec) for spec in settings.lanes if spec.limited}
         self._by_queue: dict[str, list[Lane]] = {}
         for lane in self.lanes.values():
             for queue in lane.spec.queues:
@@ -172,7 +173,7 @@ class WorkerLanes(LaneTickets):
     @staticmethod
     def store_lanes(settings: ClaimsSettings) -> list[TaskLaneConfig[str, str]]:
         """The lane configs a lane store must be built with for ``settings``."""
-        return [Lane(spec).config for spec in settings.lanes]
+        return [Lane(spec).config for spec in settings.lanes if spec.limited]
 
     @staticmethod
     def new_store(settings: ClaimsSettings, client: Any) -> RedisTaskClaimStore:

@@ -57,6 +57,7 @@ from celery_claims.worker.delivery.keyed import KeyedClaim
 from celery_claims.worker.delivery.lane_model import Lane, LaneSlot
 from celery_claims.worker.delivery.lanes import WorkerLanes
 from celery_claims.worker.delivery.losses import Losses
+from celery_claims.worker.delivery.rates import WorkerRates
 from celery_claims.worker.delivery.registry import Registry
 from celery_claims.worker.delivery.state import RENEWED, IllegalMove, State
 from celery_claims.worker.delivery.turns import Turns
@@ -149,6 +150,8 @@ class Lifecycle:
         self.done = Completion(w, reg, self.ends, self.losses)
         #: acknowledging at claim (``claims_ack_on_claim``)
         self.acks = AckOnClaim(w)
+        #: copies waiting for their fleet-wide rates (claimed, before their lane)
+        self.rates = WorkerRates(w, reg, self._past_rates)
         if lanes is not None:
             lanes.slots = w.slots
             lanes.waker = w.waker
@@ -175,6 +178,7 @@ class Lifecycle:
     def loop_started(self) -> None:
         """The consumer (re)started, on its loop's thread: the loop can be woken again."""
         self.w.waker.attach(self.w.consumer)
+        self.rates.resume()
 
     def on_loop(self) -> None:
         """The caller is the consumer's event loop (the gate calls this for each message)."""
@@ -245,10 +249,20 @@ class Lifecycle:
             took_over=took_over,
             previous_owner=result.previous_owner if isinstance(result, TookOver) else None,
         )
-        # before the lane or the pool: a copy waiting for its slot is acked at claim too
+        # before its rates, its lane or the pool: a copy that waits is acked at claim too
         self.acks.take(copy)
-        if lane is not None and self.w.lanes is not None:
+        if copy.rate_limits:
+            # its rates first: a copy waiting for its turn to start holds no lane slot
             self.reg.move(copy, State.WAITING)
+            self.rates.admit(copy, copy.rate_limits, lane)
+        else:
+            self._past_rates(copy, lane)
+
+    def _past_rates(self, copy: Copy, lane: Lane | None) -> None:
+        """A claimed copy its rates (if any) let start: to its lane or the pool."""
+        if lane is not None and self.w.lanes is not None:
+            if copy.state is not State.WAITING:
+                self.reg.move(copy, State.WAITING)
             self.w.lanes.admit(lane, copy)
         else:
             self.turns.in_turn(copy)
@@ -411,12 +425,13 @@ class Lifecycle:
         """The consumer's connection is closing (reentrant, no logging).
 
         Held copies cannot be acked on a new channel and the broker redelivers them: they
-        are dropped. Claims of copies waiting for a lane (they never reached the pool) are
-        released, so their redelivered copies do not wait for a lease nobody will finish.
+        are dropped. Claims of copies waiting for a lane or a rate (they never reached the
+        pool) are released, so their redelivered copies do not wait for a lease nobody will finish.
         Copies in the pool keep their claims.
         """
         if self.w.lanes is not None:
             self.w.lanes.drop_all()
+        self.rates.drop_all()
         # kombu's loop resets its hub as it ends: the waker is attached again on restart
         self.w.waker.close()
         for copy in self.reg.copies(State.RECEIVED, State.HELD):

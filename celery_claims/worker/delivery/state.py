@@ -34,7 +34,7 @@ class State(enum.Enum):
     RECEIVED = "received"
     #: kept unacked and re-checked on a timer (another copy's live lease, or the store is down)
     HELD = "held"
-    #: claimed, waiting for a slot of its lane
+    #: claimed, waiting for its fleet-wide rate, a slot of its lane, or its turn
     WAITING = "waiting"
     #: claimed and handed to the pool, not started yet
     QUEUED = "queued"
