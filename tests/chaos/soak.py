@@ -172,7 +172,10 @@ class Soak:
         workers: int = 3,
         drain_s: float = 240.0,
         log: Callable[[str], None] = print,
+        ack_on_claim: bool = False,
     ) -> None:
+        #: the workers acknowledge each message once claimed (``claims_ack_on_claim``)
+        self.ack_on_claim = ack_on_claim
         self.seed = seed
         self.rng = random.Random(seed)
         self.duration_s = duration_s
@@ -237,7 +240,11 @@ class Soak:
         if skew:
             path = os.pathsep.join(p for p in (str(SKEW_DIR), str(ROOT)) if p)
             env |= {"PYTHONPATH": path, "CHAOS_CLOCK_SKEW_S": skew}
-        extra = ("--claims-max-takeovers", str(MAX_TAKEOVERS)) if self.plugin else ()
+        extra: tuple[str, ...] = (
+            ("--claims-max-takeovers", str(MAX_TAKEOVERS)) if self.plugin else ()
+        )
+        if self.plugin and self.ack_on_claim:
+            extra += ("--claims-ack-on-claim", "true")
         proc = self.fleet.worker(
             f"w{slot}-{len(self.fleet.procs)}",
             broker=self.broker_url,
@@ -457,9 +464,8 @@ class Soak:
     def _report(self, task_ids: list[str], drained_s: float) -> Report:
         applied = self.ledger.applied()
         runs = self.ledger.executions_of()
-        report = Report(
-            self.seed, self.broker_kind, self.plugin, len(task_ids), drained_s=drained_s
-        )
+        kind = f"{self.broker_kind}+ack_on_claim" if self.ack_on_claim else self.broker_kind
+        report = Report(self.seed, kind, self.plugin, len(task_ids), drained_s=drained_s)
         report.actions = [f"{at - self.t0:6.1f}s {what}" for at, what in self.actions]
         report.poison_executions = len(runs.get("poison", []))
         left = self._left_in_broker()

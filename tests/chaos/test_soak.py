@@ -2,10 +2,10 @@
 
 The default suite runs one short seeded run (about two and a half minutes). ``pytest -m soak``
 runs the long matrix: 10 seeds on the Redis broker with the claim store on a server of its own,
-10 with the claim store on the Redis broker itself (the default deployment), and 3 on
-RabbitMQ, with celery-claims and, as the reference, the same seeds on plain Celery; each run's
-line is appended to the file named by ``CHAOS_RESULTS`` (default ``chaos-results.txt`` in the
-working directory).
+10 with the claim store on the Redis broker itself (the default deployment), 3 on RabbitMQ
+and 3 on RabbitMQ acknowledging at claim (``claims_ack_on_claim``), with celery-claims and,
+as the reference, the same seeds on plain Celery; each run's line is appended to the file
+named by ``CHAOS_RESULTS`` (default ``chaos-results.txt`` in the working directory).
 """
 
 from __future__ import annotations
@@ -34,8 +34,17 @@ def _postgres() -> None:
         engine.dispose()
 
 
-def _run(seed: int, *, broker: str = "redis", plugin: bool = True, duration_s: float) -> Report:
-    report = Soak(seed, duration_s=duration_s, broker=broker, plugin=plugin).run()
+def _run(
+    seed: int,
+    *,
+    broker: str = "redis",
+    plugin: bool = True,
+    duration_s: float,
+    ack_on_claim: bool = False,
+) -> Report:
+    report = Soak(
+        seed, duration_s=duration_s, broker=broker, plugin=plugin, ack_on_claim=ack_on_claim
+    ).run()
     print(report.line())
     for line in report.details:
         print("  " + line)
@@ -84,6 +93,18 @@ def test_soak_store_on_the_redis_broker(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(1, 4))
 def test_soak_rabbitmq(seed: int) -> None:
     _assert_nothing_lost_and_applied_once(_run(seed, broker="rabbitmq", duration_s=120))
+
+
+@pytest.mark.soak
+@pytest.mark.rabbitmq
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("seed", range(1, 4))
+def test_soak_rabbitmq_acking_at_claim(seed: int) -> None:
+    # the workers acknowledge each message once claimed: the claim and the publish journal
+    # entry are the durable copy, and a killed holder's task comes back by journal recovery
+    _assert_nothing_lost_and_applied_once(
+        _run(seed, broker="rabbitmq", duration_s=120, ack_on_claim=True)
+    )
 
 
 @pytest.mark.soak
