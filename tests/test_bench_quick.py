@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,66 @@ def test_the_rate_benchmark_quick_mode_measures_each_rate_call_against_the_claim
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("  ")]
     assert [line[0] for line in lines] == ["floor", "claim", "rate1", "rate1-refused", "rate3"]
     assert all(line[-1] == "claim)" and line[-2].endswith("x") for line in lines[2:])
+
+
+@pytest.mark.slow
+def test_the_ceiling_benchmark_quick_mode_prints_each_servers_cost_and_the_fleet_table() -> None:
+    # Given the ceiling benchmark in quick mode: plain Celery, claims with the store on the
+    # broker and claims with a store apart, each with a real worker on private servers
+    args = [sys.executable, "bench/ceiling.py", "--quick"]
+
+    # When it runs
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=110, check=False)
+
+    # Then it split each server's time by command, the claim scripts named apart
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "server: Redis " in done.stdout, done.stdout
+    lines = done.stdout.splitlines()
+    commands = {
+        tuple(c.strip() for c in line.split("|")[1:4])
+        for line in lines
+        if line.startswith("| ") and line.count("|") == 6
+    }
+    for deployment, server in (("claims", "broker"), ("claims-sep", "store")):
+        for script in ("EVALSHA claim", "EVALSHA journal_put"):
+            assert (deployment, server, script) in commands, done.stdout
+    assert ("claims", "broker", "EVALSHA ack_done") in commands, done.stdout
+    assert ("plain", "broker", "BRPOP") in commands, done.stdout
+    assert not any(c[2].startswith("EVALSHA") for c in commands if c[0] == "plain"), done.stdout
+
+    # and measured every server's CPU per message, a positive figure, against plain Celery's
+    servers = [
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in lines
+        if line.startswith("| ") and line.count("|") == 11 and "---" not in line
+    ]
+    assert [row[:2] for row in servers[1:]] == [
+        ["plain", "broker"],
+        ["claims", "broker"],
+        ["claims-sep", "broker"],
+        ["claims-sep", "store"],
+    ], done.stdout
+    for row in servers[1:]:
+        commands_us, reads, measured, ratio, saturated = (float(v) for v in row[2:7])
+        assert 0 < commands_us < measured, row
+        assert reads > 0, row
+        assert saturated > 0, row
+        assert ratio > 0, row
+    assert servers[1][5] == "1.00"  # plain Celery's broker is the reference
+    # and a claims store keeps its completion records (about 100 bytes a task)
+    assert 20 < float(servers[2][-1]) < 1000, servers[2]
+
+    # and printed the fleet table: every N and M, each cell a positive range and its bound
+    fleet = [
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in lines
+        if re.match(r"\| (N queues|\d+ \| \d+) \|", line)
+    ]
+    assert fleet[0] == ["N queues", "M masters", "plain", "claims", "claims-sep"], fleet
+    assert [(row[0], row[1]) for row in fleet[1:]] == [
+        (n, m) for m in ("1", "3", "6") for n in ("1", "4", "16")
+    ]
+    for row in fleet[1:]:
+        for cell in row[2:]:
+            low, high = (float(v.replace(",", "")) for v in cell.split(" (")[0].split(" - "))
+            assert 0 < low <= high, row
