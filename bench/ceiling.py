@@ -51,6 +51,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -62,6 +63,8 @@ from celery_claims.claims.keys import QueueKeys  # noqa: E402
 from celery_claims.claims.scripts import script_source  # noqa: E402
 
 VARIANTS = ("plain", "claims", "claims-sep")
+#: Prefix of the keys of a script's own calls (``in claim: HGET``) in the attributed figures.
+INSIDE = "in "
 #: Script names as a reader of the worker knows them (``complete`` runs ``release.lua``).
 LABELS = {"release": "release/complete"}
 #: Clients of the saturation reference (``redis-benchmark``): enough that each wake of the
@@ -211,14 +214,24 @@ class Deployment:
             if len(logged) >= n * LOG_PER_MESSAGE:
                 raise SystemExit(f"{self.variant} {name}: slow log full, raise LOG_PER_MESSAGE")
             per: dict[str, float] = {}
-            for entry in logged:
-                if entry["client_address"] == b"?:0" or entry["client_name"] == own:
-                    continue  # a script's own call (in its EVALSHA already), or this process
+            nested: list[dict[str, Any]] = []  # a script's own calls, logged before it
+            for entry in reversed(logged):  # the log lists the newest first
+                if entry["client_address"] == b"?:0":
+                    nested.append(entry)
+                    continue
+                if entry["client_name"] == own:
+                    continue  # this process's own reads
                 words = entry["command"].split(b" ", 2)
                 command = words[0].decode().upper()
                 if command in ("EVALSHA", "EVAL") and len(words) > 1:
                     sha = words[1].decode().lower()
                     command = f"EVALSHA {shas.get(sha, sha[:8])}"
+                    # a script runs alone: its calls are the entries just before it
+                    for call in nested:
+                        inner = f"{INSIDE}{command[8:]}: {_name(call)}"
+                        per[f"{inner} calls"] = per.get(f"{inner} calls", 0) + 1 / n
+                        per[inner] = per.get(inner, 0) + float(call["duration"]) / n
+                nested = []
                 per[f"{command} calls"] = per.get(f"{command} calls", 0) + 1 / n
                 per[command] = per.get(command, 0) + entry["duration"] / n
             out[name] = per
@@ -231,6 +244,10 @@ class Deployment:
             app.close()  # type: ignore[attr-defined]
         self.broker.close()
         self.store.close()
+
+
+def _name(entry: dict[str, Any]) -> str:
+    return str(entry["command"].split(b" ", 1)[0].decode().upper())
 
 
 def scale_scripts(attributed: dict[str, float], evalsha_us: float) -> dict[str, float]:
@@ -324,7 +341,12 @@ def _median(rows: list[dict[str, float]], key: str) -> float:
 
 
 def _commands_us(per: dict[str, float]) -> float:
-    return sum(v for k, v in per.items() if not k.endswith(" calls"))
+    return sum(v for k, v in per.items() if _top(k))
+
+
+def _top(key: str) -> bool:
+    """A command clients sent (not a count, not a script's own call)."""
+    return not key.endswith(" calls") and not key.startswith(INSIDE)
 
 
 class Rounds:
@@ -350,13 +372,42 @@ class Rounds:
         print("|---|---|---|---:|---:|")
         for (variant, name), rows in self.split.items():
             commands = sorted(
-                {k for r in rows for k in r if not k.endswith(" calls")},
+                {k for r in rows for k in r if _top(k)},
                 key=lambda k: -_median(rows, k),
             )
             for command in commands:
                 calls = _median(rows, f"{command} calls")
                 used = _median(rows, command)
-                print(f"| {variant} | {name} | {command} | {calls:.2f} | {used:.1f} |")
+                if used >= 0.05:  # a keeper beat's or recovery scan's call: nothing per message
+                    print(f"| {variant} | {name} | {command} | {calls:.3f} | {used:.1f} |")
+        print(
+            "\nInside the scripts (slow log; each script's own redis.call()s, and the rest: Lua,"
+            "\nits call overhead, argument and reply conversion):"
+        )
+        print("| deployment | server | script | command | calls/msg | µs/msg |")
+        print("|---|---|---|---|---:|---:|")
+        for (variant, name), rows in self.split.items():
+            for script in sorted(
+                {k for r in rows for k in r if k.startswith("EVALSHA ") and _top(k)},
+                key=lambda k: -_median(rows, k),
+            ):
+                label = script[len("EVALSHA ") :]
+                prefix = f"{INSIDE}{label}: "
+                inner = sorted(
+                    {k for r in rows for k in r if k.startswith(prefix) and k[-6:] != " calls"},
+                    key=lambda k: -_median(rows, k),
+                )
+                for key in inner:
+                    used = _median(rows, key)
+                    calls = _median(rows, f"{key} calls")
+                    command = key[len(prefix) :]
+                    print(
+                        f"| {variant} | {name} | {label} | {command} | {calls:.2f} | {used:.1f} |"
+                    )
+                rest = statistics.median(
+                    r.get(script, 0) - sum(r.get(k, 0) for k in inner) for r in rows
+                )
+                print(f"| {variant} | {name} | {label} | (the rest) | | {rest:.1f} |")
         print(
             "\nPer server: commands (above), the main thread's CPU as measured (commands and the"
             "\nI/O around them, one worker's load), and at saturation (estimate: commands +"

@@ -105,6 +105,14 @@ def test_the_ceiling_benchmark_quick_mode_prints_each_servers_cost_and_the_fleet
     assert ("claims", "broker", "EVALSHA ack_done") in commands, done.stdout
     assert ("plain", "broker", "BRPOP") in commands, done.stdout
     assert not any(c[2].startswith("EVALSHA") for c in commands if c[0] == "plain"), done.stdout
+    # and each script's time between its own redis.call()s and the rest (Lua and the call)
+    inside = {
+        tuple(c.strip() for c in line.split("|")[1:5]): line.split("|")[-2].strip()
+        for line in lines
+        if line.startswith("| ") and line.count("|") == 7
+    }
+    assert float(inside[("claims", "broker", "claim", "HGET")]) > 0, done.stdout
+    assert float(inside[("claims", "broker", "claim", "(the rest)")]) > 0, done.stdout
 
     # and measured every server's CPU per message, a positive figure, against plain Celery's
     servers = [
