@@ -388,7 +388,12 @@ class Rounds:
         print("|---|---|---|---|---:|---:|")
         for (variant, name), rows in self.split.items():
             for script in sorted(
-                {k for r in rows for k in r if k.startswith("EVALSHA ") and _top(k)},
+                {
+                    k
+                    for r in rows
+                    for k in r
+                    if k.startswith("EVALSHA ") and _top(k) and _median(rows, k) >= 0.05
+                },
                 key=lambda k: -_median(rows, k),
             ):
                 label = script[len("EVALSHA ") :]

@@ -8,7 +8,10 @@ one process), and reads ``used_memory`` before and after: the delta over ``N`` i
 one live claim. Then it completes every claim with a 24 h retention and reads the delta again:
 the cost of one completion record (the claims are gone by then). Nothing else runs on that
 server, and the memory allocator's fragmentation is not in ``used_memory``, so the figure is
-what the store's data itself costs.
+what the store's data itself costs. A second pass, on a fresh server state, reads the same
+deltas as the sum of ``MEMORY USAGE`` (every field counted) of the queue's keys: the keys alone,
+without the server's bookkeeping around them (a cross-check; a pass of its own because the
+reads of the keys moved ``used_memory`` by a few bytes per entry).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from claims import private_redis
 
 from celery_claims import RedisClaimManager
+from celery_claims.claims.keys import QueueKeys
 
 #: Lease of the measured claims (long enough that none expires while measuring).
 LEASE_MS = 3_600_000
@@ -42,16 +46,29 @@ def used_memory(client: redis.Redis) -> int:
     return int(client.info("memory")["used_memory"])
 
 
-def measure(port: int, records: int, queue: str = "celery") -> tuple[float, float]:
-    """Bytes per live claim and per completion record over ``records`` tasks in ``queue``."""
+def key_bytes(client: redis.Redis, queue: str) -> int:
+    """``MEMORY USAGE`` of every key of ``queue`` (all fields counted: ``SAMPLES 0``)."""
+    keys = client.scan_iter(match=f"{QueueKeys('claims', queue).tag}:*")
+    return sum(int(client.memory_usage(key, samples=0) or 0) for key in keys)
+
+
+def measure(
+    port: int, records: int, queue: str = "celery", *, keys: bool = False
+) -> tuple[float, float]:
+    """Bytes per live claim and per completion record over ``records`` tasks in ``queue``:
+    by ``used_memory``, or with ``keys`` by ``MEMORY USAGE`` of the queue's keys."""
     client = redis.Redis(port=port)
+
+    def used(client: redis.Redis) -> int:
+        return key_bytes(client, queue) if keys else used_memory(client)
+
     client.flushall()
     manager = RedisClaimManager(client=client)
     for script in manager.scripts.values():  # a script's body counts in used_memory
         client.script_load(script.script)
     manager.claim("warm", "warm", "w", 1)  # register a queue
     ids = [f"{uuid.uuid4()}:0:0" for _ in range(records)]
-    before = used_memory(client)
+    before = used(client)
     tokens = []
     pipe_size = 1000
     for first in range(0, records, pipe_size):
@@ -62,11 +79,11 @@ def measure(port: int, records: int, queue: str = "celery") -> tuple[float, floa
         for result in manager.execute_many(calls):
             assert result.token is not None, result
             tokens.append(result.token)
-    claimed = used_memory(client)
+    claimed = used(client)
     for first in range(0, records, pipe_size):
         calls = [manager.complete_call(t, RETENTION_MS) for t in tokens[first : first + pipe_size]]
         manager.execute_many(calls)
-    completed = used_memory(client)
+    completed = used(client)
     assert manager.active_claims(queue) == 0
     client.close()
     return (claimed - before) / records, (completed - before) / records
@@ -89,11 +106,15 @@ def main() -> None:
     with private_redis() as port:
         version = redis.Redis(port=port).info("server")["redis_version"]
         print(f"redis-server {version}, 36-character task ids, one queue")
-        print("| tasks | bytes per live claim | bytes per completion record |")
-        print("|---|---|---|")
+        print(
+            "| tasks | bytes per live claim | bytes per completion record "
+            "| MEMORY USAGE: per claim | per record |"
+        )
+        print("|---|---:|---:|---:|---:|")
         for size in sizes:
             claim, record = measure(port, size)
-            print(f"| {size:,} | {claim:.0f} | {record:.0f} |")
+            key_claim, key_record = measure(port, size, keys=True)
+            print(f"| {size:,} | {claim:.0f} | {record:.0f} | {key_claim:.0f} | {key_record:.0f} |")
 
 
 if __name__ == "__main__":
