@@ -19,22 +19,30 @@ Each round, for each deployment (in a rotated order), two batches:
    completion recorded and every journal entry cleared (the workers' keeper beats every
    second here); then the server's own figures: ``INFO cpu`` (its main thread's user + system
    time: commands, and the reading, parsing and writing around them: what a core runs out
-   of), ``INFO commandstats`` (``EVALSHA`` µs in all) and ``used_memory_dataset`` (what the
-   finished tasks leave behind: their completion records).
+   of), ``total_reads_processed`` (about one a round trip), ``INFO commandstats`` (``EVALSHA``
+   µs in all) and, on the claim store, ``MEMORY USAGE`` of the queue's keys (what the finished
+   tasks leave behind: their completion records).
 2. **Attribution batch** (a quarter of the tasks, at most 500): the slow log set to record
    every command, to split the server's time by command, and ``EVALSHA`` by script
    (the script's SHA1 names it). Only commands of real clients are summed: a script's own
-   ``redis.call``s are in its ``EVALSHA``'s time already, and a ``MULTI``'s commands are
-   logged one by one (``EXEC`` itself is not logged). Writing the log inside a script makes
-   its ``EVALSHA`` look slower, so each script's share is scaled to the ``EVALSHA`` total of
-   the CPU batch (``INFO commandstats``, no log).
+   ``redis.call``s are in its ``EVALSHA``'s time already (they are listed apart, as the
+   script's inside), and a ``MULTI``'s commands are logged one by one (``EXEC`` itself is
+   not logged). Writing the log inside a script makes its ``EVALSHA`` look slower, so each
+   script's share is scaled to the ``EVALSHA`` total of the CPU batch (``INFO commandstats``,
+   no log).
 
-Printed: per deployment and server, µs per message by command (median of the rounds), the main
-thread's CPU µs per message, and messages per second one core sustains (1e6 / that), each
-against plain Celery's broker in the same run; then what a fleet of N queues reaches on
-M masters (Redis Cluster for the store, the broker a single server: kombu has no Cluster
-transport). Idle cost (the server's cron, the workers' idle ``BRPOP`` timeouts and keeper
-beats) falls into the CPU batch too: a few µs per message at most at these batch sizes.
+Each round also measures a saturated server's main thread CPU per request (``redis-benchmark``,
+50 clients, ``PING``, on a server of its own): a server kept busy serves several requests per
+wake of its event loop and spends less on each than at one worker's load.
+
+Printed (medians of the rounds): per deployment and server, µs per message by command and
+inside each script; the main thread's CPU µs per message as measured and at saturation
+(estimate: the commands' µs plus the reads per message times the saturated cost per request),
+and the messages per second one core sustains (1e6 / each), against plain Celery's broker in
+the same run; then what a fleet of N queues reaches on M masters (Redis Cluster for the store,
+the broker a single server: kombu has no Cluster transport). Idle cost (the server's cron,
+the workers' idle ``BRPOP`` timeouts and keeper beats) falls into the CPU batch too: a few µs
+per message at most at these batch sizes.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import celery_overhead as overhead  # noqa: E402
+from bench.overhead_app import build  # noqa: E402
 from celery_claims.claims.keys import QueueKeys  # noqa: E402
 from celery_claims.claims.scripts import script_source  # noqa: E402
 
@@ -73,6 +82,9 @@ SATURATION_CLIENTS = 50
 #: Queue counts and master counts of the printed fleet table.
 QUEUES = (1, 4, 16)
 MASTERS = (1, 3, 6)
+#: How often a batch's end is polled, in s (each poll a round trip to each server: every
+#: 5 ms, as the overhead benchmark polls, came to 0.1 of a message's 4 reads here).
+POLL_S = 0.05
 #: The client name of this process's own reads, left out of the attribution.
 BENCH_CLIENT = "bench-ceiling"
 #: Slow log entries kept per attributed message (a claims message logs about 50, scripts'
@@ -142,28 +154,63 @@ class Deployment:
         if variant == "claims-sep":
             self.servers["store"] = self.store
         self.keys = QueueKeys("claims", self.queue)
+        #: round trips of this process's polls to each server in the last batch
+        self.polls: dict[str, int] = {}
         self.proc = overhead.start_worker(broker_url, variant, pool, self.queue, log)
 
     def ready(self) -> None:
-        overhead.wait_ready(self.broker, self.url, self.variant, self.queue, self.log)
+        """Once the worker drained a first task (it may take a while to start)."""
+        self.drain(1)
 
     def drain(self, n: int) -> None:
         """Publish ``n`` no-op tasks and return once they are done and the store has settled:
-        every completion recorded, every journal entry cleared."""
-        overhead.run_batch(
-            self.broker, self.url, self.variant, self.queue, "bench.noop", n, log=self.log
-        )
-        if self.variant == "plain":
-            return
-        published = overhead.PUBLISHED[self.queue]
-        deadline = time.monotonic() + 30
-        while self.store.hlen(self.keys.journal) or self.store.hlen(self.keys.done) < published:
+        every task acked, its completion recorded, its journal entry cleared.
+
+        Polled every ``POLL_S`` with one pipelined round trip per server, counted in
+        :attr:`polls`: this process's requests are the server's too (``run_batch`` of the
+        overhead benchmark polls every 5 ms, two round trips each: 0.1 reads a message here).
+        """
+        key = (self.variant, self.queue)
+        app = overhead._producers.get(key)
+        if app is None:
+            app = overhead._producers[key] = build(self.variant, self.url, self.queue)
+        sender = app.tasks["bench.noop"]
+        offset = int(time.time() * 1000) * 10_000
+        with app.producer_or_acquire() as producer:
+            for i in range(n):
+                sender.apply_async((offset + i,), queue=self.queue, producer=producer)
+        published = overhead.PUBLISHED[self.queue] = overhead.PUBLISHED.get(self.queue, 0) + n
+        deadline = time.monotonic() + 120
+        while True:
+            found = self._poll()
+            if found == (0, 0, 0, published):
+                return
             if time.monotonic() > deadline:
+                tail = self.log.read_text()[-2000:]
                 raise SystemExit(
-                    f"{self.variant}: journal {self.store.hlen(self.keys.journal)} entries left, "
-                    f"{self.store.hlen(self.keys.done)} of {published} records"
+                    f"{self.variant}: (queue, unacked, journal, records) {found}, "
+                    f"expected (0, 0, 0, {published})\n{tail}"
                 )
-            time.sleep(0.01)
+            time.sleep(POLL_S)
+
+    def _poll(self) -> tuple[int, int, int, int]:
+        """The queue's length, kombu's unacked deliveries, the journal's entries and the
+        completion records (0 and the published count for plain Celery)."""
+        broker = self.broker.pipeline(transaction=False)
+        broker.llen(self.queue).hlen("unacked")
+        self.polls["broker"] = self.polls.get("broker", 0) + 1
+        if self.variant == "plain":
+            queued, unacked = broker.execute()
+            return queued, unacked, 0, overhead.PUBLISHED[self.queue]
+        store = broker if self.variant == "claims" else self.store.pipeline(transaction=False)
+        store.hlen(self.keys.journal).hlen(self.keys.done)
+        if store is broker:
+            queued, unacked, journal, records = broker.execute()
+        else:
+            self.polls["store"] = self.polls.get("store", 0) + 1
+            queued, unacked = broker.execute()
+            journal, records = store.execute()
+        return queued, unacked, journal, records
 
     def cpu_batch(self, n: int) -> dict[str, dict[str, float]]:
         """Per server, per message: main thread CPU µs, ``EVALSHA`` µs, reads (the server's
@@ -174,6 +221,7 @@ class Deployment:
             client.config_resetstat()
             before[name] = (main_thread_cpu_us(client), self.key_bytes(client))
         reads = {name: _reads(client) for name, client in self.servers.items()}
+        self.polls = {}
         self.drain(n)
         out = {}
         for name, client in self.servers.items():
@@ -182,7 +230,8 @@ class Deployment:
             out[name] = {
                 "cpu": (main_thread_cpu_us(client) - cpu) / n,
                 "evalsha": float(evalsha["usec"]) / n,
-                "reads": (_reads(client) - reads[name]) / n,
+                # less this process's polls (and the INFO before this read)
+                "reads": (_reads(client) - reads[name] - self.polls.get(name, 0) - 2) / n,
                 "bytes": (self.key_bytes(client) - key_bytes) / n,
             }
         return out
