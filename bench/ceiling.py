@@ -70,6 +70,7 @@ from bench import celery_overhead as overhead  # noqa: E402
 from bench.overhead_app import build  # noqa: E402
 from celery_claims.claims.keys import QueueKeys  # noqa: E402
 from celery_claims.claims.scripts import script_source  # noqa: E402
+from celery_claims.worker.publish.producer import PUBLISH_COUNTERS  # noqa: E402
 
 VARIANTS = ("plain", "claims", "claims-sep")
 #: Prefix of the keys of a script's own calls (``in claim: HGET``) in the attributed figures.
@@ -156,6 +157,8 @@ class Deployment:
         self.keys = QueueKeys("claims", self.queue)
         #: round trips of this process's polls to each server in the last batch
         self.polls: dict[str, int] = {}
+        #: publishes of the last batches whose journal write failed (see :meth:`drain`)
+        self.unjournaled = 0
         self.proc = overhead.start_worker(broker_url, variant, pool, self.queue, log)
 
     def ready(self) -> None:
@@ -176,6 +179,7 @@ class Deployment:
             app = overhead._producers[key] = build(self.variant, self.url, self.queue)
         sender = app.tasks["bench.noop"]
         offset = int(time.time() * 1000) * 10_000
+        failed = PUBLISH_COUNTERS.get("journal_write_failed")
         with app.producer_or_acquire() as producer:
             for i in range(n):
                 sender.apply_async((offset + i,), queue=self.queue, producer=producer)
@@ -184,6 +188,9 @@ class Deployment:
         while True:
             found = self._poll()
             if found == (0, 0, 0, published):
+                # publishes this process could not journal (a store that did not answer 64
+                # writes in time is skipped for a second or more): they cost the store nothing
+                self.unjournaled += PUBLISH_COUNTERS.get("journal_write_failed") - failed
                 return
             if time.monotonic() > deadline:
                 tail = self.log.read_text()[-2000:]
@@ -221,7 +228,7 @@ class Deployment:
             client.config_resetstat()
             before[name] = (main_thread_cpu_us(client), self.key_bytes(client))
         reads = {name: _reads(client) for name, client in self.servers.items()}
-        self.polls = {}
+        self.polls, self.unjournaled = {}, 0
         self.drain(n)
         out = {}
         for name, client in self.servers.items():
@@ -249,6 +256,7 @@ class Deployment:
             client.config_set("slowlog-max-len", n * LOG_PER_MESSAGE)
             client.slowlog_reset()
             client.config_set("slowlog-log-slower-than", 0)
+        self.unjournaled = 0
         try:
             self.drain(n)
         finally:
@@ -367,7 +375,10 @@ def main() -> None:
                 for variant in order:
                     d = deployments[variant]
                     measured = d.cpu_batch(args.tasks)
+                    unjournaled = d.unjournaled
                     attributed = d.attribution_batch(attributed_n, shas)
+                    unjournaled += d.unjournaled
+                    rounds.unjournaled[variant] = rounds.unjournaled.get(variant, 0) + unjournaled
                     for name, figures in measured.items():
                         per = scale_scripts(attributed[name], figures["evalsha"])
                         rounds.cpu.setdefault((variant, name), []).append(figures)
@@ -376,7 +387,7 @@ def main() -> None:
                             f"round {rnd + 1} {variant:10} {name:6} main thread CPU "
                             f"{figures['cpu']:6.1f} µs/msg  reads {figures['reads']:4.2f}/msg  "
                             f"EVALSHA {figures['evalsha']:5.1f} µs/msg  keys "
-                            f"{figures['bytes']:+5.0f} B/msg",
+                            f"{figures['bytes']:+5.0f} B/msg  unjournaled {unjournaled}",
                             flush=True,
                         )
         finally:
@@ -408,6 +419,8 @@ class Rounds:
         self.split: dict[tuple[str, str], list[dict[str, float]]] = {}
         #: per round: the saturated server's main thread µs per request
         self.request_us: list[float] = []
+        #: deployment -> publishes whose journal write failed, every batch counted
+        self.unjournaled: dict[str, int] = {}
 
     def report(self, args: argparse.Namespace) -> None:
         plain = _median(self.cpu[("plain", "broker")], "cpu")
@@ -415,6 +428,10 @@ class Rounds:
         print(
             f"\n{args.tasks} no-op tasks per CPU batch, {args.rounds} round(s), {args.pool} "
             "pool; medians of the rounds; x = against plain Celery's broker in the same run"
+        )
+        unjournaled = ", ".join(f"{k} {v}" for k, v in self.unjournaled.items() if k != "plain")
+        print(
+            f"publishes whose journal write failed (their batches miss journal_put): {unjournaled}"
         )
         print("\nServer time per message by command (slow log; EVALSHA by script):")
         print("| deployment | server | command | calls/msg | µs/msg |")
