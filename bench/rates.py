@@ -6,7 +6,8 @@ same run.
 What a worker would ask of its claim store per message with a rate (issue 32), measured on the
 server alone (``INFO commandstats``, µs per ``EVALSHA``; the client's time is not in it), with
 every claim script, ``rate.lua`` and the lane store's scripts loaded (as a worker with lanes
-loads them) on a private ``redis-server``:
+loads them) on a private ``redis-server`` (the machine's, on PATH, before a packaged Valkey;
+its name and version are printed):
 
 - ``floor``: ``return 1``, the cost of any script call on this server;
 - ``claim``: ``claim.lua`` with records, a fresh task id and a worker-shaped owner (as in
@@ -147,8 +148,11 @@ def main() -> None:
     if args.quick:
         args.ops, args.rounds = 300, 1
     rows: list[dict[str, float]] = []
-    with private_redis() as url:
+    with private_redis(path_first=True) as url:
         client = redis.Redis.from_url(url)
+        info = client.info("server")
+        name = str(info.get("server_name", "redis")).capitalize()
+        print(f"server: {name} {info.get(name.lower() + '_version', info['redis_version'])}")
         for n in range(1, args.rounds + 1):
             row = measure(client, args.ops)
             rows.append(row)
