@@ -1054,14 +1054,16 @@ SETTINGS: tuple[Setting, ...] = (
         "claims_ack_on_claim",
         _bool,
         False,
-        "Acknowledge each message to the broker once its claim is taken, for tasks that may "
-        "run longer than the broker lets a delivery stay unacked (RabbitMQ's "
-        "`consumer_timeout`, SQS's visibility timeout). The worker first makes sure the "
-        "message's publish journal entry is in the claim store: from then on the claim and "
-        "that entry are the task's durable copy, and a holder that dies is taken over when "
-        "journal recovery publishes the entry again. Also a task attribute, which wins for "
-        "its task. Needs `claims_journal` and a claim store that persists (AOF or RDB); not "
-        "for keyed tasks (`claims_key`). See docs/semantics.md, *Acknowledging at claim*.",
+        "Acknowledge each claimed message to the broker when the pool starts it (or when it "
+        "starts waiting outside the pool for a rate, a lane or its turn), not when it ends: "
+        "for tasks that may run longer than the broker lets a delivery stay unacked "
+        "(RabbitMQ's `consumer_timeout`, SQS's visibility timeout). The worker first makes "
+        "sure the message's publish journal entry is in the claim store: from then on the "
+        "claim and that entry are the task's durable copy, and a holder that dies is taken "
+        "over when journal recovery publishes the entry again. Also a task attribute, which "
+        "wins for its task. Needs `claims_journal` and a claim store that persists (AOF or "
+        "RDB); not for keyed tasks (`claims_key`). See docs/semantics.md, *Acknowledging at "
+        "claim*.",
         unit="bool",
         needs=("claims_journal",),
         check=_needs_journal,
