@@ -8,6 +8,12 @@ Load it into a run of Celery's ``t/integration`` (its sdist; see ``runner.py``) 
   (``celery_session_app``) and each test's producer (``celery_app``, the suite's ``app``).
 - ``settings``: the guide's settings alone, to tell what they change from what claims change.
 
+``CLAIMS_SUITE_STORE_URL``, when set, is the claim store (``claims_redis_url``): the guide's
+setting for a broker that is not Redis (RabbitMQ). Without it the store is the Redis broker.
+``CLAIMS_SUITE_NO_MESSAGE_TTL=1`` publishes without the AMQP ``expiration`` Celery derives from
+a task's ``expires``: RabbitMQ then never drops an expired message unseen, and the worker that
+reads it records it revoked, as on the Redis broker (which has no per-message TTL).
+
 Celery's integration conftest defines ``celery_config`` itself, and a fixture a conftest
 defines wins over a plugin's, so the plugin does not override fixtures: it wraps their setup
 (``pytest_fixture_setup``) and changes the value they made, before any test or the worker
@@ -21,6 +27,7 @@ from collections.abc import Generator
 from typing import Any
 
 import pytest
+from celery.signals import before_task_publish
 
 from celery_claims import install
 
@@ -34,6 +41,12 @@ GUIDE_SETTINGS: dict[str, Any] = {
 
 #: The modes ``CLAIMS_SUITE_MODE`` takes.
 MODES = ("claims", "settings")
+
+#: Environment variable naming the claim store's URL (``claims_redis_url``), if any.
+STORE_URL_ENV = "CLAIMS_SUITE_STORE_URL"
+
+#: Environment variable: publish without the AMQP message TTL (``expiration``).
+NO_TTL_ENV = "CLAIMS_SUITE_NO_MESSAGE_TTL"
 
 #: Fixtures of ``celery.contrib.pytest`` whose app is made claim-aware.
 _APP_FIXTURES = frozenset({"celery_session_app", "celery_app"})
@@ -49,11 +62,20 @@ def _mode() -> str:
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse an unknown mode before the session starts."""
     _mode()
+    if os.environ.get(NO_TTL_ENV) == "1":
+        before_task_publish.connect(_without_message_ttl, weak=False)
+
+
+def _without_message_ttl(properties: dict[str, Any] | None = None, **_: Any) -> None:
+    # Celery passes the dict it then publishes with (celery/app/amqp.py, send_task_message)
+    if properties is not None:
+        properties.pop("expiration", None)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
     """Say in the run's header what the plugin applies."""
-    return f"celery-claims suite plugin: mode {_mode()}, settings {GUIDE_SETTINGS}"
+    ttl = "without the AMQP message TTL" if os.environ.get(NO_TTL_ENV) == "1" else ""
+    return f"celery-claims suite plugin: mode {_mode()}, settings {GUIDE_SETTINGS} {ttl}"
 
 
 @pytest.hookimpl(wrapper=True)
@@ -62,6 +84,8 @@ def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: Any) -> Ge
     value = yield
     if fixturedef.argname == "celery_config" and isinstance(value, dict):
         value.update(GUIDE_SETTINGS)
+        if os.environ.get(STORE_URL_ENV):
+            value["claims_redis_url"] = os.environ[STORE_URL_ENV]
     elif fixturedef.argname in _APP_FIXTURES and _mode() == "claims":
         install(value)
     return value

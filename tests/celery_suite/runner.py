@@ -105,8 +105,8 @@ class RunResult:
 
 
 def read_junit(path: Path) -> tuple[dict[str, str], dict[str, float]]:
-    """Outcomes (``passed``, ``failed``, ``error``, ``skipped``) and durations of a junit file,
-    keyed ``module.py::Class::test``."""
+    """Outcomes (``passed``, ``failed``, ``error``, ``skipped``, ``xfailed``; an xpass is
+    ``passed``) and durations of a junit file, keyed ``module.py::Class::test``."""
     outcomes: dict[str, str] = {}
     durations: dict[str, float] = {}
     for case in ET.parse(path).iter("testcase"):
@@ -114,13 +114,14 @@ def read_junit(path: Path) -> tuple[dict[str, str], dict[str, float]]:
         # classname is t.integration.test_canvas[.test_chord]
         module_at = next((i for i, p in enumerate(parts) if p.startswith("test_")), len(parts))
         node = "::".join([parts[module_at] + ".py", *parts[module_at + 1 :], case.get("name", "")])
-        kinds = {child.tag for child in case}
+        kinds = {child.tag: child for child in case}
         if "error" in kinds:
             outcome = "failed" if node in outcomes else "error"  # an error at teardown
         elif "failure" in kinds:
             outcome = "failed"
         elif "skipped" in kinds:
-            outcome = "skipped"
+            xfail = kinds["skipped"].get("type") == "pytest.xfail"
+            outcome = "xfailed" if xfail else "skipped"
         else:
             outcome = "passed"
         # a test with a teardown error appears twice: the worse outcome wins
@@ -147,6 +148,7 @@ def run_module(
     *,
     junit: Path,
     redis_url: str | None = None,
+    broker_url: str | None = None,
     pytest_args: Sequence[str] = (),
     log: Path | None = None,
 ) -> RunResult:
@@ -158,6 +160,8 @@ def run_module(
         mode: one of :data:`MODES`.
         junit: where pytest writes its junit XML.
         redis_url: broker, backend and claim store; a private ``redis-server`` if None.
+        broker_url: another broker (RabbitMQ): the Redis of ``redis_url`` is then the result
+            backend and the claim store (``claims_redis_url``).
         pytest_args: more arguments for pytest (``-k``, ``-x``, ...).
         log: where the run's output goes (inherited if None).
 
@@ -178,11 +182,12 @@ def run_module(
         parts = urlsplit(url)
         env = {
             **os.environ,
-            "TEST_BROKER": url,
+            "TEST_BROKER": broker_url or url,
             "TEST_BACKEND": url,
             "REDIS_HOST": parts.hostname or "127.0.0.1",
             "REDIS_PORT": str(parts.port or 6379),
             "CLAIMS_SUITE_MODE": "claims" if mode == "claims" else "settings",
+            "CLAIMS_SUITE_STORE_URL": url if broker_url else "",
             "PYTHONPATH": os.pathsep.join(
                 p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
             ),
@@ -224,6 +229,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     p_run.add_argument("--junit", type=Path, required=True)
     p_run.add_argument("--log", type=Path)
     p_run.add_argument("--redis-url")
+    p_run.add_argument("--broker-url", help="a broker other than the Redis (RabbitMQ)")
     p_run.add_argument("pytest_args", nargs="*")
     p_cmp = sub.add_parser("compare", help="list the tests whose outcome differs")
     p_cmp.add_argument("base", type=Path)
@@ -238,7 +244,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         suite = fetch(ns.suite) if not (ns.suite / "t").is_dir() else ns.suite
         result = run_module(
             suite, ns.module, ns.mode, junit=ns.junit, redis_url=ns.redis_url,
-            pytest_args=ns.pytest_args, log=ns.log,
+            broker_url=ns.broker_url, pytest_args=ns.pytest_args, log=ns.log,
         )  # fmt: skip
         summary = {"module": ns.module, "mode": ns.mode, "wall_s": round(result.wall_s, 1),
                    "returncode": result.returncode, "counts": result.counts()}  # fmt: skip
