@@ -27,7 +27,7 @@ import difflib
 import math
 import re
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -564,51 +564,58 @@ def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
         raise InvalidArgument(
             "claims_lanes", f"must be a dict of lane name -> settings, got {raw!r:.80}"
         )
-    lanes: list[LaneSpec] = []
-    for name, spec in raw.items():
-        if not isinstance(name, str) or not name or len(name) > _MAX_LANE_NAME or "\x00" in name:
-            raise InvalidArgument(
-                "claims_lanes",
-                f"lane names must be non-empty strings of at most {_MAX_LANE_NAME} "
-                f"characters, got {name!r:.80}",
-            )
-        if not isinstance(spec, Mapping):
-            raise InvalidArgument("claims_lanes", f"lane {name!r} must be a dict, got {spec!r:.80}")
-        _refuse_unknown_lane_keys(name, spec)
-        if "queues" not in spec or ("limit" not in spec and "rate" not in spec):
-            raise InvalidArgument(
-                "claims_lanes", f"lane {name!r} needs 'queues' and 'limit' or 'rate' (or both)"
-            )
-        queues = _names(f"lane {name!r} queues", spec["queues"])
-        limit = spec.get("limit")
-        if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= 1_000_000
-        ):
-            raise InvalidArgument(
-                "claims_lanes",
-                f"lane {name!r} limit must be an int from 0 to 1000000, got {limit!r:.80}",
-            )
-        rate = None
-        if "rate" in spec:
-            try:
-                rate = parse_rate(spec["rate"], name="claims_lanes")
-            except InvalidArgument as exc:
-                said = str(exc).removeprefix("claims_lanes: ")
-                raise InvalidArgument("claims_lanes", f"lane {name!r} rate {said}") from None
-        kinds = spec.get("kinds")
-        key_names, key_fn, limit_per_key = _lane_key(name, spec, limit)
-        lanes.append(
-            LaneSpec(
-                name,
-                queues,
-                limit,
-                None if kinds is None else frozenset(_names(f"lane {name!r} kinds", kinds)),
-                key_names=key_names,
-                key_fn=key_fn,
-                limit_per_key=limit_per_key,
-                rate=rate,
-            )
+    lanes = [_lane(name, spec) for name, spec in raw.items()]
+    _refuse_shared_queues(lanes)
+    return tuple(lanes)
+
+
+def _lane(name: object, spec: object) -> LaneSpec:
+    """One lane of ``claims_lanes``, checked (see :func:`parse_lanes`)."""
+    if not isinstance(name, str) or not name or len(name) > _MAX_LANE_NAME or "\x00" in name:
+        raise InvalidArgument(
+            "claims_lanes",
+            f"lane names must be non-empty strings of at most {_MAX_LANE_NAME} "
+            f"characters, got {name!r:.80}",
         )
+    if not isinstance(spec, Mapping):
+        raise InvalidArgument("claims_lanes", f"lane {name!r} must be a dict, got {spec!r:.80}")
+    _refuse_unknown_lane_keys(name, spec)
+    if "queues" not in spec or ("limit" not in spec and "rate" not in spec):
+        raise InvalidArgument(
+            "claims_lanes", f"lane {name!r} needs 'queues' and 'limit' or 'rate' (or both)"
+        )
+    queues = _names(f"lane {name!r} queues", spec["queues"])
+    limit = spec.get("limit")
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= 1_000_000
+    ):
+        raise InvalidArgument(
+            "claims_lanes",
+            f"lane {name!r} limit must be an int from 0 to 1000000, got {limit!r:.80}",
+        )
+    rate = None
+    if "rate" in spec:
+        try:
+            rate = parse_rate(spec["rate"], name="claims_lanes")
+        except InvalidArgument as exc:
+            said = str(exc).removeprefix("claims_lanes: ")
+            raise InvalidArgument("claims_lanes", f"lane {name!r} rate {said}") from None
+    kinds = spec.get("kinds")
+    key_names, key_fn, limit_per_key = _lane_key(name, spec, limit)
+    return LaneSpec(
+        name,
+        queues,
+        limit,
+        None if kinds is None else frozenset(_names(f"lane {name!r} kinds", kinds)),
+        key_names=key_names,
+        key_fn=key_fn,
+        limit_per_key=limit_per_key,
+        rate=rate,
+    )
+
+
+def _refuse_shared_queues(lanes: Sequence[LaneSpec]) -> None:
+    """A message may be in one lane only: two lanes sharing a queue must list disjoint kinds."""
     for i, first in enumerate(lanes):
         for second in lanes[i + 1 :]:
             shared = sorted(set(first.queues) & set(second.queues))
@@ -621,7 +628,6 @@ def parse_lanes(raw: object) -> tuple[LaneSpec, ...]:
                     f"{shared[0]!r}: a message may be in one lane only; give them disjoint "
                     f"kinds",
                 )
-    return tuple(lanes)
 
 
 def _refuse_unknown_lane_keys(name: str, spec: Mapping[Any, Any]) -> None:
@@ -1048,14 +1054,16 @@ SETTINGS: tuple[Setting, ...] = (
         "claims_ack_on_claim",
         _bool,
         False,
-        "Acknowledge each message to the broker once its claim is taken, for tasks that may "
-        "run longer than the broker lets a delivery stay unacked (RabbitMQ's "
-        "`consumer_timeout`, SQS's visibility timeout). The worker first makes sure the "
-        "message's publish journal entry is in the claim store: from then on the claim and "
-        "that entry are the task's durable copy, and a holder that dies is taken over when "
-        "journal recovery publishes the entry again. Also a task attribute, which wins for "
-        "its task. Needs `claims_journal` and a claim store that persists (AOF or RDB); not "
-        "for keyed tasks (`claims_key`). See docs/semantics.md, *Acknowledging at claim*.",
+        "Acknowledge each claimed message to the broker when the pool starts it (or when it "
+        "starts waiting outside the pool for a rate, a lane or its turn), not when it ends: "
+        "for tasks that may run longer than the broker lets a delivery stay unacked "
+        "(RabbitMQ's `consumer_timeout`, SQS's visibility timeout). The worker first makes "
+        "sure the message's publish journal entry is in the claim store: from then on the "
+        "claim and that entry are the task's durable copy, and a holder that dies is taken "
+        "over when journal recovery publishes the entry again. Also a task attribute, which "
+        "wins for its task. Needs `claims_journal` and a claim store that persists (AOF or "
+        "RDB); not for keyed tasks (`claims_key`). See docs/semantics.md, *Acknowledging at "
+        "claim*.",
         unit="bool",
         needs=("claims_journal",),
         check=_needs_journal,

@@ -74,11 +74,16 @@ def test_the_rate_benchmark_quick_mode_measures_each_rate_call_against_the_claim
     # When it runs
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=110, check=False)
 
-    # Then it printed the claim's server time and each rate variant's against it
+    # Then it printed the claim's server time and each rate variant's against it, the lane
+    # pass's, and a rated claim and a rated lane pass against the plain ones, naming its server
     assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("server: "), done.stdout
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("  ")]
-    assert [line[0] for line in lines] == ["floor", "claim", "rate1", "rate1-refused", "rate3"]
-    assert all(line[-1] == "claim)" and line[-2].endswith("x") for line in lines[2:])
+    assert [line[0] for line in lines] == [
+        "floor", "claim", "rate1", "rate1-refused", "rate3", "lane", "claim", "lane"
+    ]  # fmt: skip
+    assert all(line[-1] == "claim)" and line[-2].endswith("x") for line in lines[2:5])
+    assert [line[-2:] for line in lines[6:]] == [["claim", "alone)"], ["lane", "alone)"]]
 
 
 @pytest.mark.slow

@@ -1,11 +1,14 @@
-"""Acknowledging at claim (``claims_ack_on_claim``): the message goes once its claim is taken.
+"""Acknowledging once claimed (``claims_ack_on_claim``): the message goes as its copy starts.
 
 For tasks longer than the broker lets a delivery stay unacked (RabbitMQ's ``consumer_timeout``,
-SQS's visibility timeout). The message's publish journal entry is written first, and waited
-for (an entry the producer wrote stays as it is): from the ack on, the claim and that entry
-are the task's durable copy. A holder that dies lets its lease run out, and journal recovery
-publishes the entry again, to be taken over with the next fencing number; a copy published
-again for a task already done is skipped. docs/semantics.md, *Acknowledging at claim*.
+SQS's visibility timeout). A claimed copy's message is acknowledged when the pool starts it, or
+when it starts waiting outside the pool (rates, lane, turn); queued in the pool it stays
+unacked, so Celery's prefetch still bounds what a worker takes. The message's publish journal
+entry is written first, and waited for (an entry the producer wrote keeps its message): from
+the ack on, the claim and that entry are the task's durable copy. A holder that dies lets its
+lease run out, and journal recovery publishes the entry again, to be taken over with the next
+fencing number; a copy published again for a task already done is skipped.
+docs/semantics.md, *Acknowledging at claim*.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from celery_claims.worker.compat import (
 from celery_claims.worker.delivery.copy import Copy
 from celery_claims.worker.delivery.guard import REQUEST_KEY, SETTLE_KEY, is_guarded
 from celery_claims.worker.delivery.keyed import KeyedClaim, KeySpecs
+from celery_claims.worker.delivery.lifecycle import Lifecycle
 from celery_claims.worker.delivery.state import State
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
 from celery_claims.worker.policy import is_exempt, time_limit_of
@@ -95,7 +96,7 @@ class ClaimGate:
     def __init__(self, consumer: Any, runtime: ClaimsRuntime, inner: Callable[[Any], Any]):
         self.consumer = consumer
         self.runtime = runtime
-        self.life = runtime.life
+        self.life: Lifecycle = runtime.life
         self.inner = inner
         self.settings = runtime.settings
         self.queues = QueueResolver(consumer.app)

@@ -44,6 +44,7 @@ from celery.utils.log import get_logger
 
 from celery_claims.errors import BackendUnavailable
 from celery_claims.worker.delivery.copy import Copy
+from celery_claims.worker.delivery.lifecycle import Lifecycle
 from celery_claims.worker.delivery.state import State
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.transport.broker import refresh_unacked
@@ -63,7 +64,7 @@ class Keeper:
 
     def __init__(self, runtime: ClaimsRuntime) -> None:
         self.runtime = runtime
-        self.life = runtime.life
+        self.life: Lifecycle = runtime.life
         self.settings = runtime.settings
         self.counters = runtime.counters
         self._wake = threading.Event()

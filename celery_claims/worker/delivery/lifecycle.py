@@ -139,7 +139,9 @@ class Lifecycle:
         self.w = w = Wiring(settings, manager, counters, lanes, hostname)
         #: the copies and their states (the keeper's and the operator's reads)
         self.reg = reg = Registry()
-        self.turns = Turns(w, reg)
+        #: acknowledging once claimed (``claims_ack_on_claim``)
+        self.acks = AckOnClaim(w)
+        self.turns = Turns(w, reg, self.acks)
         #: the gate's outcomes that keep a copy, or end it, outside the pool
         self.holds = Holds(w, reg)
         self.unrun = Unrun(w, reg, self.holds)
@@ -148,8 +150,6 @@ class Lifecycle:
         self.losses = Losses(w, reg, self.turns, self.ends)
         #: the pool's successes, Celery's ack, and the keeper's retried records
         self.done = Completion(w, reg, self.ends, self.losses)
-        #: acknowledging at claim (``claims_ack_on_claim``)
-        self.acks = AckOnClaim(w)
         #: copies waiting for their fleet-wide rates (claimed, before their lane)
         self.rates = WorkerRates(w, reg, self._past_rates)
         if lanes is not None:
@@ -249,8 +249,12 @@ class Lifecycle:
             took_over=took_over,
             previous_owner=result.previous_owner if isinstance(result, TookOver) else None,
         )
-        # before its rates, its lane or the pool: a copy that waits is acked at claim too
-        self.acks.take(copy)
+        if copy.rate_limits or (lane is not None and self.w.lanes is not None):
+            # it waits outside the pool, its prefetch slot given back: acked now (when asked),
+            # for a wait may outlast the broker's timeout; a copy going to the pool is acked
+            # when the pool starts it (started), so Celery's prefetch still bounds what waits
+            # in the pool
+            self.acks.take(copy)
         if copy.rate_limits:
             # its rates first: a copy waiting for its turn to start holds no lane slot
             self.reg.move(copy, State.WAITING)
@@ -283,7 +287,8 @@ class Lifecycle:
         """The pool started the copy (``on_accepted``): ``QUEUED`` -> ``RUNNING``."""
         if copy.time_limit_s is not None:
             copy.renew_until = time.monotonic() + copy.time_limit_s
-        self.reg.move(copy, State.RUNNING, only_from=frozenset({State.QUEUED}))
+        if self.reg.move(copy, State.RUNNING, only_from=frozenset({State.QUEUED})):
+            self.acks.take(copy)
         if copy.mark_start and not copy.guarded and copy.token is not None:
             self._mark_started(copy.token)
 

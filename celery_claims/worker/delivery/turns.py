@@ -9,6 +9,7 @@ import time
 
 from celery.utils.log import get_logger
 
+from celery_claims.worker.delivery.ack_on_claim import AckOnClaim
 from celery_claims.worker.delivery.copy import Copy
 from celery_claims.worker.delivery.registry import Registry
 from celery_claims.worker.delivery.state import IN_POOL, State
@@ -22,9 +23,10 @@ logger = get_logger("celery_claims.worker")
 class Turns:
     """The pool hand-off of claimed copies, and the queue of taken-over ones waiting a turn."""
 
-    def __init__(self, w: Wiring, reg: Registry) -> None:
+    def __init__(self, w: Wiring, reg: Registry, acks: AckOnClaim) -> None:
         self.w = w
         self.reg = reg
+        self.acks = acks
         #: taken-over copies waiting for their turn: one at a time in the pool (in_turn)
         self.suspects: collections.deque[Copy] = collections.deque()
         reg.left_pool = self.turn_over
@@ -54,6 +56,7 @@ class Turns:
                         self.reg.move_locked(copy, State.WAITING)
                     self.suspects.append(copy)
             if busy:
+                self.acks.take(copy)  # it waits outside the pool: acked now, when asked
                 logger.info(
                     "Claim %s: taken over; waits for this worker's other taken-over task to "
                     "end (one at a time, so a task that kills its worker takes no other down)",
