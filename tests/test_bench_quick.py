@@ -98,6 +98,8 @@ def test_the_ceiling_benchmark_quick_mode_prints_each_servers_cost_and_the_fleet
     # Then it split each server's time by command, the claim scripts named apart
     assert done.returncode == 0, done.stdout + done.stderr
     assert "server: Redis " in done.stdout, done.stdout
+    # and said how many publishes it could not journal (their batches would miss journal_put)
+    assert "publishes whose journal write failed" in done.stdout, done.stdout
     lines = done.stdout.splitlines()
     commands = {
         tuple(c.strip() for c in line.split("|")[1:4])
