@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery._state import _set_task_join_will_block
 from celery.contrib.testing.worker import start_worker
 
 from tests.servers import RedisClusterNodes, RedisServer, ValkeyServer
@@ -94,3 +95,17 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 def key_prefix() -> str:
     """A prefix no other test uses, so tests sharing one server never see each other's keys."""
     return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(autouse=True)
+def _no_join_block_left_behind() -> Iterator[None]:
+    """Reset Celery's process-wide "joining a result would block" flag after each test.
+
+    A worker built in this process sets it from its pool (a prefork pool says a join would
+    block, ``celery/worker/components.py``), and nothing unsets it when that worker is gone:
+    a later test waiting for a result here then raised "Never call result.get() within a
+    task!" (test_consumer_timeout's, after test_consumer_mixin's prefork worker, in the full
+    suite only).
+    """
+    yield
+    _set_task_join_will_block(False)
