@@ -69,10 +69,11 @@ def _starts(backend: str, queue: str, task: str) -> list[dict[str, Any]]:
     return [e for e in _log(backend, queue) if e["event"] == "start" and e["task"] == task]
 
 
-#: Jitter allowed between the store's grant of a start and the pool process's log of it: the
-#: store counts starts by its own clock; a task logs its start after the event loop handed it
-#: to a pool process (measured: gaps of 97 to 106 ms between starts spaced 100 ms apart on an
-#: idle machine; one run on a loaded one showed 11 starts within 1 s minus 25 ms).
+#: Jitter allowed between starts. A rated task logs when the store let it start (its grant,
+#: by the store's clock, ``claims_rate_at_ms``), so its rate is checked exactly; the margin is
+#: for the tasks that log their own start time (Celery's rate_limit, unrated ones), after the
+#: event loop handed them to a pool process (their logged starts jittered by 120 ms on a loaded
+#: machine: a lane-rate test then saw 4 starts of a 3/s key within 1 s).
 JITTER_S = 0.05
 
 
@@ -127,6 +128,8 @@ def test_a_task_rate_holds_across_the_fleet_without_slowing_it_and_other_queues_
         result.get(timeout=40)
     log = _log(backend, queue)
     starts = sorted(e["at"] for e in log if e["event"] == "start" and e["task"] == "rates.tick")
+    # each start is the store's grant (claims_rate_at_ms), not when a pool process got to it
+    assert all(e["at"] != e["logged"] for e in log if e["task"] == "rates.tick"), log[:3]
 
     # Then every task ran once, never more than 10 started in any 1 s window, the batch took
     # no more than 20 % over its 12 s, and the other queue's task did not wait for the batch

@@ -31,15 +31,20 @@ from celery_claims.config import KeyFunction, LaneSpec, parse_key_declaration
 from celery_claims.errors import InvalidArgument
 from celery_claims.rates import Limit, Rate, RateAllowed, RateLimited, RedisRateLimiter, parse_rate
 from celery_claims.worker import signals
+from celery_claims.worker.compat import set_request_field
 from celery_claims.worker.delivery.copy import Copy
 from celery_claims.worker.delivery.keyed import check_key_arguments, key_text, signature_of
 from celery_claims.worker.delivery.registry import Registry
 from celery_claims.worker.delivery.state import State
 from celery_claims.worker.delivery.wiring import Wiring
 
-__all__ = ["RATE_SCOPE", "RateSpec", "WorkerRates", "rate_spec"]
+__all__ = ["RATE_AT_KEY", "RATE_SCOPE", "RateSpec", "WorkerRates", "rate_spec"]
 
 logger = get_logger("celery_claims.worker")
+
+#: The request field (``self.request.claims_rate_at_ms`` in task code) holding when the claim
+#: store let a rated copy start, in epoch ms by the store's clock: the start its rates counted.
+RATE_AT_KEY = "claims_rate_at_ms"
 
 #: The scope (hash tag) of every rate's key: one slot, so one call counts a start against a
 #: task's, a key's and a lane's limits at once, whatever queue delivered it. Folding the check
@@ -303,6 +308,8 @@ class WorkerRates:
         if isinstance(outcome, RateAllowed):
             group.errors = 0
             group.waiting.popleft()
+            # when the store let it start, by the store's clock: task code can read it
+            set_request_field(head.request, RATE_AT_KEY, outcome.at_ms)
             lane = self._lanes.get(head)
             self._forget(head)
             next_at = max(outcome.next_at_ms, default=outcome.at_ms)

@@ -65,13 +65,17 @@ def log(entry: dict[str, Any]) -> None:
 
 
 def _start(task: Any, **extra: Any) -> None:
+    """Log a start: ``at`` is when the claim store let it start (its fleet-wide rate's count,
+    by the store's clock) for a task the worker rated, else when it started here."""
+    granted = task.request.get("claims_rate_at_ms")
     log(
         {
             "event": "start",
             "task": task.name,
             "id": task.request.id,
             "worker": task.request.hostname,
-            "at": time.time(),
+            "at": granted / 1000 if granted else time.time(),
+            "logged": time.time(),
             **extra,
         }
     )
