@@ -518,12 +518,15 @@ def run_demo(
                 url, binary, origin = stack.enter_context(_private_redis(workdir))
             else:
                 url, binary, origin = redis_url, "", "url"
-            fleet = _Fleet(workdir, url, ns, lane_limit)
-            stack.callback(fleet.stop)
             client = redis.Redis.from_url(url, socket_timeout=5)
             stack.callback(client.close)
             if origin == "url":
+                # registered before the fleet's stop, so it runs after it (last in, first
+                # out): a worker still alive could write a key after the deletion (kombu's
+                # restore sweep lock, seen left behind once)
                 stack.callback(_delete_namespace, client, ns)
+            fleet = _Fleet(workdir, url, ns, lane_limit)
+            stack.callback(fleet.stop)
             try:
                 client.ping()
             except redis.RedisError as exc:
