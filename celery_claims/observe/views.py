@@ -377,12 +377,7 @@ def waiting_per_lane(
         views: the live claims (:func:`list_views`), not yet marked.
         histories: task id -> its history, oldest first.
     """
-    counts: dict[str, int] = {}
-    for view in views:
-        event = _waits_for_lane(view, histories)
-        if event is not None and event.event == "waiting":
-            counts[event.reason] = counts.get(event.reason, 0) + 1
-    return counts
+    return _waiting_per(views, histories, "waiting")
 
 
 def waiting_per_rate(
@@ -395,10 +390,18 @@ def waiting_per_rate(
         views: the live claims (:func:`list_views`), not yet marked.
         histories: task id -> its history, oldest first.
     """
+    return _waiting_per(views, histories, "rate_wait")
+
+
+def _waiting_per(
+    views: Iterable[ClaimView], histories: Mapping[str, Sequence[HistoryEvent]], what: str
+) -> dict[str, int]:
+    """The live claims whose latest wait event (for that claim) is ``what``, counted by its
+    reason (the lane's or the rate's name)."""
     counts: dict[str, int] = {}
     for view in views:
         event = _waits_for_lane(view, histories)
-        if event is not None and event.event == "rate_wait":
+        if event is not None and event.event == what:
             counts[event.reason] = counts.get(event.reason, 0) + 1
     return counts
 
