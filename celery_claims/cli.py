@@ -35,14 +35,11 @@ from celery_claims.observe.views import (
     find_claims,
     find_key,
     find_key_waiters,
+    fleet_stats,
     lane_key_running,
-    lane_occupancy,
     list_views,
     mark_waiting,
     server_now_ms,
-    waiting_per_lane,
-    waiting_per_rate,
-    with_celery_lanes,
 )
 
 __all__ = ["EXIT_NOT_FOUND", "EXIT_UNAVAILABLE", "claims", "main"]
@@ -245,25 +242,11 @@ def stats(ctx: click.Context, top_keys: int, as_json: bool) -> None:
     copies waiting for each fleet-wide rate."""
     target = _target(ctx)
     with _errors(target):
-        manager = target.manager()
-        now = server_now_ms(manager.client)
-        per_queue = manager.queue_stats()
-        views = {q: list_views(manager, q, now) for q in per_queue}
-        live = {q: len(found) for q, found in views.items()}
-        limits = target.lane_limits()
-        lanes = lane_occupancy(
-            manager.client, manager.prefix, now_ms=now, limits=limits, top_keys=top_keys
-        )
-        # a Celery lane's waiting messages are claimed already: the history tells them
-        claimed = [view for found in views.values() for view in found]
-        histories = History(manager.client, manager.prefix).read_many(v.task_id for v in claimed)
-        lanes = with_celery_lanes(lanes, limits, waiting_per_lane(claimed, histories))
-        # and so are the copies waiting for a fleet-wide rate
-        rates = waiting_per_rate(claimed, histories)
+        fleet = fleet_stats(target.manager(), target.lane_limits(), top_keys=top_keys)
     if as_json:
-        _emit_json(render.stats_json(per_queue, live, lanes, rates))
+        _emit_json(render.stats_json(fleet.per_queue, fleet.live, fleet.lanes, fleet.rates))
     else:
-        click.echo(render.stats_text(per_queue, live, lanes, rates))
+        click.echo(render.stats_text(fleet.per_queue, fleet.live, fleet.lanes, fleet.rates))
 
 
 @claims.command()

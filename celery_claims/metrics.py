@@ -32,12 +32,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import ClaimError, InvalidArgument
-from celery_claims.observe.views import (
-    DEFAULT_TOP_KEYS,
-    LaneOccupancy,
-    lane_occupancy,
-    server_now_ms,
-)
+from celery_claims.observe.views import DEFAULT_TOP_KEYS, LaneOccupancy, fleet_stats
 from celery_claims.worker.settings import parse_ports
 
 __all__ = [
@@ -204,8 +199,11 @@ class WorkerCollector(Collector):
 class StoreCollector(Collector):
     """Exports the fleet-wide view of a claim store: per-queue counters, live claims, lanes.
 
-    A scrape costs about four round trips (queues, counters, live claims, lane scan). When the
-    store cannot be reached the scrape still answers, with ``celery_claims_store_up 0``.
+    The reading ``celery claims stats`` prints (:func:`~celery_claims.observe.views.fleet_stats`):
+    every configured lane, idle ones at 0, and as waiting only the copies waiting for a slot.
+    A scrape costs a few round trips (queues, counters, live claims, their histories, lane
+    scan). When the store cannot be reached the scrape still answers, with
+    ``celery_claims_store_up 0``.
 
     Args:
         manager: the claim store.
@@ -230,16 +228,7 @@ class StoreCollector(Collector):
         """The metric families at this instant."""
         up = GaugeMetricFamily("celery_claims_store_up", "1 if the claim store answered.")
         try:
-            now = server_now_ms(self.manager.client)
-            per_queue = self.manager.queue_stats()
-            live = {q: self.manager.active_claims(q) for q in per_queue}
-            lanes = (
-                lane_occupancy(
-                    self.manager.client, self.manager.prefix, now_ms=now, limits=self.lane_limits
-                )
-                if self.lanes
-                else []
-            )
+            fleet = fleet_stats(self.manager, self.lane_limits, lanes=self.lanes)
         except ClaimError as exc:
             logger.warning("celery-claims metrics: claim store unavailable: %s", exc)
             up.add_metric([], 0)
@@ -247,8 +236,8 @@ class StoreCollector(Collector):
             return
         up.add_metric([], 1)
         yield up
-        yield from _store_families(per_queue, live)
-        yield from _lane_families(lanes, self.lane_limits)
+        yield from _store_families(fleet.per_queue, fleet.live)
+        yield from _lane_families(fleet.lanes, self.lane_limits)
 
 
 def _store_families(

@@ -23,6 +23,7 @@ from celery_claims.validation import require_id
 
 __all__ = [
     "DEFAULT_TOP_KEYS",
+    "FleetStats",
     "MAX_PROBED_NESTING",
     "MAX_PROBED_RETRIES",
     "ClaimView",
@@ -31,6 +32,7 @@ __all__ = [
     "find_claims",
     "find_key",
     "find_key_waiters",
+    "fleet_stats",
     "is_key_field",
     "lane_key_running",
     "lane_occupancy",
@@ -676,3 +678,60 @@ def lane_key_running(
         for held, count in lane.keys
         if f"{lane.lane}[{held}]" == key
     ]
+
+
+# --- the fleet at a glance ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FleetStats:
+    """What ``celery claims stats`` prints and the store's exporter exports: one reading.
+
+    Attributes:
+        per_queue: each queue's counters (``RedisClaimManager.queue_stats``).
+        live: each queue's live claims.
+        lanes: every lane's occupancy, every configured lane included (:func:`with_celery_lanes`).
+        rates: copies waiting for each fleet-wide rate (:func:`waiting_per_rate`).
+    """
+
+    per_queue: Mapping[str, Any]
+    live: Mapping[str, int]
+    lanes: Sequence[LaneOccupancy]
+    rates: Mapping[str, int]
+
+
+def fleet_stats(
+    manager: RedisClaimManager,
+    limits: Mapping[str, int],
+    *,
+    lanes: bool = True,
+    top_keys: int = DEFAULT_TOP_KEYS,
+) -> FleetStats:
+    """Read the fleet's counters, live claims, lanes and rate waits from the store, once.
+
+    A Celery lane's waiting messages and a rate's waiting copies are claimed already: the
+    task history of the live claims tells them apart from running ones.
+
+    Args:
+        manager: the claim store.
+        limits: the configured lanes (``claims_lanes``), name -> limit.
+        lanes: read the lane store too (a ``SCAN``).
+        top_keys: keys reported per keyed lane.
+    """
+    now = server_now_ms(manager.client)
+    per_queue = manager.queue_stats()
+    views = {q: list_views(manager, q, now) for q in per_queue}
+    claimed = [view for found in views.values() for view in found]
+    histories = History(manager.client, manager.prefix).read_many(v.task_id for v in claimed)
+    occupancy: list[LaneOccupancy] = []
+    if lanes:
+        occupancy = lane_occupancy(
+            manager.client, manager.prefix, now_ms=now, limits=limits, top_keys=top_keys
+        )
+        occupancy = with_celery_lanes(occupancy, limits, waiting_per_lane(claimed, histories))
+    return FleetStats(
+        per_queue=per_queue,
+        live={q: len(found) for q, found in views.items()},
+        lanes=occupancy,
+        rates=waiting_per_rate(claimed, histories),
+    )

@@ -1,6 +1,7 @@
-"""``claims stats`` shows every configured lane, idle ones as 0 of their limit, and counts as
-waiting only the messages waiting for a slot (issue 30, item 5), on a real prefork worker
-whose lane ``video`` (limit 1) runs jobs, and whose lane ``idle`` never ran one."""
+"""``claims stats`` and the store's Prometheus exporter show every configured lane, idle ones
+as 0 of their limit, and count as waiting only the messages waiting for a slot (issue 30, item
+5), on a real prefork worker whose lane ``video`` (limit 1) runs jobs, and whose lane ``idle``
+never ran one."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.metrics import StoreCollector
 from tests.servers import redis_server
 from tests.worker.helpers import wait_for
 from tests.worker.processes import Fleet
@@ -43,6 +46,22 @@ class LaneFleet:
         result = self.stats("--json")
         assert result.returncode == 0, result.stderr
         return {lane["lane"]: lane for lane in json.loads(result.stdout)["lanes"]}
+
+    def exported(self) -> dict[str, dict[str, float]]:
+        """The store exporter's lane gauges: lane -> {active, waiting, limit} (the app's
+        limits, as ``claims serve-metrics`` and a worker's exporter pass them)."""
+        manager = RedisClaimManager(url=self.url)
+        try:
+            families = list(StoreCollector(manager, lane_limits={"video": 1, "idle": 3}).collect())
+        finally:
+            manager.client.close()
+        lanes: dict[str, dict[str, float]] = {}
+        for family in families:
+            what = family.name.removeprefix("celery_claims_lane_")
+            if what in ("active", "waiting", "limit"):
+                for sample in family.samples:
+                    lanes.setdefault(sample.labels["lane"], {})[what] = sample.value
+        return lanes
 
     def video(self) -> dict[str, Any]:
         """Lane ``video`` as ``stats --json`` shows it (nothing known: active -1)."""
@@ -114,3 +133,24 @@ def test_stats_counts_as_waiting_only_the_messages_waiting_for_a_slot(
         what="the lane to be idle",
     )
     assert (idle["active"], idle["waiting"], idle["limit"]) == (0, 0, 1)
+
+
+def test_the_exporter_counts_lanes_as_stats_does(lane_fleet: LaneFleet) -> None:
+    # Given a lane of limit 1 that ran two short jobs and now runs a long one, and a lane
+    # that never ran a job
+    short = [lane_fleet.client.send_task("lanes.job", (0.5,)) for _ in range(2)]
+    assert [r.get(timeout=30) for r in short] == [0.5, 0.5]
+    long = lane_fleet.client.send_task("lanes.job", (6.0,))
+    wait_for(lambda: lane_fleet.video()["active"] == 1, timeout=20, what="the long job running")
+
+    # When Prometheus scrapes the store's exporter
+    exported = lane_fleet.exported()
+
+    # Then it tells what stats tells: one running of 1, nothing waiting (the tickets the short
+    # jobs gave back are idle, not waiting messages), the idle lane at 0 of 3
+    assert not long.ready()
+    assert exported == {
+        "video": {"active": 1.0, "waiting": 0.0, "limit": 1.0},
+        "idle": {"active": 0.0, "waiting": 0.0, "limit": 3.0},
+    }
+    assert long.get(timeout=30) == 6.0
