@@ -11,8 +11,9 @@ store's answer: a prefork pool process's completion record, sent ahead of the wo
 (``journal.py``). Both go through a :class:`ScriptSender`: the command is written to the
 socket (into the kernel's send buffer, which is delivered even if the process exits right
 after) and the replies are read later, as they come, before each later send or by
-:meth:`ScriptSender.drain`. Each reply is handed to the sender's ``on_reply``: the script's
-raw reply, or the error it ended with.
+:meth:`ScriptSender.drain`; past ``max_unread`` of them, a send waits for the store to catch up
+(a store that stalls slows its senders down and loses none of their writes). Each reply is
+handed to the sender's ``on_reply``: the script's raw reply, or the error it ended with.
 
 Standalone stores only (:func:`usable`): a Sentinel or Cluster client chooses its server per
 command, so the callers go through the client there.
@@ -45,6 +46,9 @@ __all__ = ["ScriptCaller", "ScriptSender", "keep_calls", "usable"]
 #: ``select.poll``, or None where the process has none: eventlet's monkey patching deletes it
 #: from the ``select`` module (a kept connection then probes with redis-py's ``can_read``).
 _POLL: Callable[[], Any] | None = getattr(select, "poll", None)
+
+#: How long a send waits for a backlog of replies on a connection without a socket timeout.
+CATCH_UP_TIMEOUT_S = 5.0
 
 #: ``on_reply(reply, error)``: the script's raw reply and None, or None and the error.
 OnReply = Callable[[Any, BaseException | None], object]
@@ -129,8 +133,9 @@ class ScriptSender:
         on_reply: called with each call's reply as it is read, ``(reply, None)``, or with
             ``(None, error)`` for a call that ended in an error (also for the replies a
             dropped connection took with it).
-        max_unread: replies left unread after which the connection is dropped (a store that
-            went silent).
+        max_unread: replies left unread after which a send waits for the store to catch up
+            (back to half of it), for as long as the connection's socket timeout; a store
+            that does not answer in that time went silent, and the connection is dropped.
     """
 
     def __init__(
@@ -180,7 +185,7 @@ class ScriptSender:
                 conn.send_packed_command(conn.pack_commands(commands))
                 self._waiting.extend([None] * (len(commands) - 1) + [on_reply or self.on_reply])
                 if len(self._waiting) > self.max_unread:
-                    self._reset(BackendUnavailable("the claim store did not answer in time"))
+                    self._catch_up(conn)
             except (redis.RedisError, OSError) as exc:
                 self._reset(exc)
                 raise BackendUnavailable(f"could not send to the claim store: {exc!r}") from exc
@@ -214,6 +219,18 @@ class ScriptSender:
         if self._conn is None:
             self._conn, self._pool = pool.make_connection(), pool
         return self._conn
+
+    def _catch_up(self, conn: Any) -> None:
+        """Wait for replies until half of ``max_unread`` are left: a store that stalls for a
+        moment (a fork, a slow fsync) slows the sender down, and loses none of its writes."""
+        timeout_s = conn.socket_timeout or CATCH_UP_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
+        while len(self._waiting) > self.max_unread // 2:
+            left = deadline - time.monotonic()
+            if left <= 0 or not conn.can_read(timeout=left):
+                self._reset(BackendUnavailable("the claim store did not answer in time"))
+                return
+            self._read_one(conn)
 
     def _read_arrived(self, conn: Any) -> None:
         while self._waiting and conn.can_read(timeout=0):
