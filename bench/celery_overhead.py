@@ -16,21 +16,20 @@ sent) counts too. Each variant's time is reported as a ratio to plain Celery's t
 round; each kind's batches of a round start after an untimed batch (the first batch after a
 change of pace ran up to 1.7x slower, whichever variant it was). Beside the time, the CPU each
 message cost (Linux schedstat): the worker's main process, its pool processes, the broker's
-redis-server, the producer's process (every variant's producer runs in a process of its own,
-below), and their sum, which on 2 busy
-cores is what the time follows, with less noise. Needs ``celery-once`` and ``celery-singleton``
-(``pip install -e .[bench]``).
+redis-server, the producer (``bench/publisher.py``, a process of its own for every variant:
+all its threads, over the batch, as for the worker), and their sum, which on 2 busy cores is
+what the time follows, with less noise. Before the rounds, each producer publishes one task to
+a queue nobody consumes, and the keys it wrote for it are printed: which producers journal is
+shown, not assumed. Needs ``celery-once`` and ``celery-singleton`` (``pip install -e .[bench]``).
 
 ``--baseline TREE`` adds the variants ``claims-base`` and ``claims-sep-base``: the ``claims``
 and ``claims-sep`` variants (the store on the broker, and on a server of its own) run from
 another checkout of the project (``git worktree add TREE <commit>``), worker and producer, so
 an earlier commit and this one are measured in the same run, against the same plain Celery.
-Each producer is ``bench/publisher.py`` in a process of its own, run from its variant's
-checkout (a ``-base`` producer is the baseline's ``celery_claims`` with the same settings,
-its publish journal included when it has one); its CPU is that process's, every thread, over
-the batch, as the worker's is. Which producers journal is found, not assumed: before the
-rounds each publishes one task to a queue nobody consumes, and the keys naming that queue on
-the broker and the store are printed (then deleted).
+A ``-base`` producer is the baseline's ``bench/overhead_app.py`` app of the same variant, so
+its ``celery_claims`` with the same settings: it journals each publish if that checkout has a
+publish journal (the probe above shows it). Runs before this change published the ``-base``
+variants with a plain producer and measured the producer's publishing thread in this process.
 """
 
 from __future__ import annotations
@@ -421,6 +420,12 @@ def main() -> None:
                 for variant in variants:
                     keys = ", ".join(journaled[variant]) or "nothing"
                     print(f"{pool} {variant}: its producer wrote {keys}", flush=True)
+                    if variant in BASE_VARIANTS and not journaled[variant]:
+                        print(
+                            f"  {variant}: the baseline's producer journals nothing (a checkout "
+                            "without the publish journal, or whose bench app lacks "
+                            f"{checkout(variant)[1]}): not like for like with this tree's"
+                        )
                 for rnd in range(rounds):
                     # rotate the order so no variant always runs first (or on a warmer machine)
                     order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
