@@ -159,6 +159,8 @@ class Deployment:
         self.polls: dict[str, int] = {}
         #: publishes of the last batches whose journal write failed (see :meth:`drain`)
         self.unjournaled = 0
+        #: this deployment's producer (built on its first batch)
+        self.app: Any = None
         self.proc = overhead.start_worker(broker_url, variant, pool, self.queue, log)
 
     def ready(self) -> None:
@@ -173,14 +175,13 @@ class Deployment:
         :attr:`polls`: this process's requests are the server's too (``run_batch`` of the
         overhead benchmark polls every 5 ms, two round trips each: 0.1 reads a message here).
         """
-        key = (self.variant, self.queue)
-        app = overhead._producers.get(key)
-        if app is None:
-            app = overhead._producers[key] = build(self.variant, self.url, self.queue)
-        sender = app.tasks["bench.noop"]
+        if self.app is None:
+            # in this process: the journal's failed writes are read from its counters
+            self.app = build(self.variant, self.url, self.queue)
+        sender = self.app.tasks["bench.noop"]
         offset = int(time.time() * 1000) * 10_000
         failed = PUBLISH_COUNTERS.get("journal_write_failed")
-        with app.producer_or_acquire() as producer:
+        with self.app.producer_or_acquire() as producer:
             for i in range(n):
                 sender.apply_async((offset + i,), queue=self.queue, producer=producer)
         published = overhead.PUBLISHED[self.queue] = overhead.PUBLISHED.get(self.queue, 0) + n
@@ -296,9 +297,8 @@ class Deployment:
 
     def close(self) -> None:
         overhead.stop(self.proc)
-        app = overhead._producers.pop((self.variant, self.queue), None)
-        if app is not None:
-            app.close()  # type: ignore[attr-defined]
+        if self.app is not None:
+            self.app.close()
         self.broker.close()
         self.store.close()
 

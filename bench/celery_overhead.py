@@ -16,15 +16,20 @@ sent) counts too. Each variant's time is reported as a ratio to plain Celery's t
 round; each kind's batches of a round start after an untimed batch (the first batch after a
 change of pace ran up to 1.7x slower, whichever variant it was). Beside the time, the CPU each
 message cost (Linux schedstat): the worker's main process, its pool processes, the broker's
-redis-server, the producer's publishing thread (this process), and their sum, which on 2 busy
-cores is what the time follows, with less noise. Needs ``celery-once`` and ``celery-singleton``
-(``pip install -e .[bench]``).
+redis-server, the producer (``bench/publisher.py``, a process of its own for every variant:
+all its threads, over the batch, as for the worker), and their sum, which on 2 busy cores is
+what the time follows, with less noise. Before the rounds, each producer publishes one task to
+a queue nobody consumes, and the keys it wrote for it are printed: which producers journal is
+shown, not assumed. Needs ``celery-once`` and ``celery-singleton`` (``pip install -e .[bench]``).
 
 ``--baseline TREE`` adds the variants ``claims-base`` and ``claims-sep-base``: the ``claims``
-worker (with the store on the broker, and on a server of its own) run from another checkout
-of the project (``git worktree add TREE <commit>``), so an earlier commit and this one are
-measured in the same run, against the same plain Celery. Their producer is plain Celery's (a
-checkout from before the publish journal journals nothing when it publishes).
+and ``claims-sep`` variants (the store on the broker, and on a server of its own) run from
+another checkout of the project (``git worktree add TREE <commit>``), worker and producer, so
+an earlier commit and this one are measured in the same run, against the same plain Celery.
+A ``-base`` producer is the baseline's ``bench/overhead_app.py`` app of the same variant, so
+its ``celery_claims`` with the same settings: it journals each publish if that checkout has a
+publish journal (the probe above shows it). Runs before this change published the ``-base``
+variants with a plain producer and measured the producer's publishing thread in this process.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.claims import private_redis as private_redis_port  # noqa: E402
-from bench.overhead_app import build, ride0_keys  # noqa: E402
+from bench.overhead_app import ride0_keys  # noqa: E402
 from celery_claims.claims.keys import QueueKeys  # noqa: E402
 
 
@@ -78,18 +83,80 @@ POOLS = ("prefork", "solo")
 KINDS = (("noop", "bench.noop"), ("10ms", "bench.sleep10"))
 
 
-_producers: dict[tuple[str, str], object] = {}
-
-
-#: The checkout the ``claims-base`` variants' workers run from (``--baseline``).
+#: The checkout the ``-base`` variants' workers and producers run from (``--baseline``).
 BASELINE: Path | None = None
 BASE_VARIANTS = ("claims-base", "claims-sep-base")
 #: Where each worker's main-thread profile goes (``--profile``), or None.
 PROFILE_DIR: Path | None = None
-#: CPU time of the last batch's publishes in this process (the producer), in s.
-PUBLISH_CPU_S = 0.0
 #: Tasks published so far to each queue, every batch counted (warm-up and untimed ones too).
 PUBLISHED: dict[str, int] = {}
+#: Longest wait for a producer's journal keys to show on the servers (a store apart is
+#: written without waiting for its reply), in s.
+PROBE_WAIT_S = 2.0
+
+
+def checkout(variant: str) -> tuple[Path, str]:
+    """The checkout ``variant`` runs from and its name there (``claims-base`` is the
+    baseline's ``claims``)."""
+    if variant not in BASE_VARIANTS:
+        return ROOT, variant
+    assert BASELINE is not None, f"{variant} needs --baseline"
+    return BASELINE, variant.removesuffix("-base")
+
+
+def tree_env(tree: Path, **values: str) -> dict[str, str]:
+    """This process's environment with ``values`` and ``tree`` first on ``PYTHONPATH``."""
+    env = {**os.environ, **values}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+    return env
+
+
+class Publisher:
+    """A variant's producer: ``bench/publisher.py`` in a process of its own, run from the
+    variant's checkout, so that a ``-base`` variant publishes with the baseline's
+    ``celery_claims`` (its journal included) and every producer's CPU is measured alike."""
+
+    def __init__(self, url: str, variant: str, queue: str, log: Path) -> None:
+        tree, name = checkout(variant)
+        self.variant, self.log = variant, log
+        args = [sys.executable, str(ROOT / "bench" / "publisher.py"), name, url, queue]
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                args,
+                cwd=tree,
+                env=tree_env(tree),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=out,
+                start_new_session=True,
+            )
+
+    def publish(self, task: str, n: int, offset: int, queue: str) -> None:
+        """Publish ``n`` tasks ``task`` (arguments from ``offset`` on) to ``queue``; return
+        once the producer has published them all."""
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(f"{task} {n} {offset} {queue}\n".encode())
+            self.proc.stdin.flush()
+            reply = self.proc.stdout.readline()
+        except BrokenPipeError:
+            reply = b""
+        if reply != b"published\n":
+            tail = self.log.read_text()[-2000:]
+            raise SystemExit(f"{self.variant}: its producer did not publish ({reply!r})\n{tail}")
+
+    def close(self) -> None:
+        """End the producer (EOF on its stdin: it closes its app)."""
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            stop(self.proc)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def start_worker(
@@ -97,14 +164,14 @@ def start_worker(
 ) -> subprocess.Popen[bytes]:
     tree, extra = ROOT, []
     if variant in BASE_VARIANTS:
-        assert BASELINE is not None, f"{variant} needs --baseline"
+        # the baseline's claims worker, the store given on the command line: a checkout from
+        # before bench/overhead_app.py knew claims-sep runs it too
         if variant == "claims-sep-base":
             extra = ["--claims-redis-url", os.environ["BENCH_STORE_URL"]]
-        tree, variant = BASELINE, "claims"
-    env = {**os.environ, "BENCH_VARIANT": variant, "BENCH_URL": url, "BENCH_QUEUE": queue}
+        tree, variant = checkout(variant)[0], "claims"
+    env = tree_env(tree, BENCH_VARIANT=variant, BENCH_URL=url, BENCH_QUEUE=queue)
     if PROFILE_DIR is not None:
         env["BENCH_PROFILE"] = str(PROFILE_DIR / f"{queue}.prof")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     args = [
         sys.executable, "-m", "celery", "-A", "bench.overhead_app", "worker",
         "-P", pool, "-c", "2" if pool == "prefork" else "1", "-Q", queue, "-l", "WARNING",
@@ -116,14 +183,21 @@ def start_worker(
         )
 
 
-def wait_ready(client: redis.Redis, url: str, variant: str, queue: str, log: Path) -> None:
+def wait_ready(
+    client: redis.Redis, publisher: Publisher, variant: str, queue: str, log: Path
+) -> None:
     # a worker is ready once it drains a first task
-    run_batch(client, url, variant, queue, "bench.noop", 1, timeout=60, log=log)
+    run_batch(client, publisher, variant, queue, "bench.noop", 1, timeout=60, log=log)
+
+
+def unique_offset() -> int:
+    """The first argument of a batch: celery-once and celery-singleton key their locks on it."""
+    return int(time.time() * 1000) * 10_000
 
 
 def run_batch(
     client: redis.Redis,
-    url: str,
+    publisher: Publisher,
     variant: str,
     queue: str,
     task: str,
@@ -133,20 +207,10 @@ def run_batch(
     log: Path | None = None,
 ) -> float:
     """Publish ``n`` tasks and return the seconds until all are acked."""
-    app = _producers.get((variant, queue))
-    if app is None:
-        producer = "plain" if variant in BASE_VARIANTS else variant
-        app = _producers[(variant, queue)] = build(producer, url, queue)
-    sender = app.tasks[task]
-    offset = int(time.time() * 1000) * 10_000  # unique args: celery-once/singleton key on them
     start = time.perf_counter()
-    cpu_start = time.thread_time()
-    with app.producer_or_acquire() as producer:
-        for i in range(n):
-            sender.apply_async((offset + i,), queue=queue, producer=producer)
+    # waited for before the polling starts, as when the producer ran in this process
+    publisher.publish(task, n, unique_offset(), queue)
     PUBLISHED[queue] = PUBLISHED.get(queue, 0) + n
-    global PUBLISH_CPU_S
-    PUBLISH_CPU_S = time.thread_time() - cpu_start
     deadline = time.monotonic() + timeout
     # a message acked at claim leaves the broker before it runs: its batch is over once every
     # task published to the queue has its completion record
@@ -201,15 +265,54 @@ def _thread_cpu_ns(pid: int) -> int:
     return total
 
 
-def cpu_ns(main_pid: int, server_pid: int) -> tuple[int, int, int]:
-    """CPU time so far of a worker's main process, of its pool processes and of the broker's
-    ``redis-server``, in ns (Linux ``schedstat``: not sampled, unaffected by waiting)."""
+def cpu_ns(main_pid: int, server_pid: int, producer_pid: int) -> tuple[int, int, int, int]:
+    """CPU time so far of a worker's main process, of its pool processes, of the broker's
+    ``redis-server`` and of the producer's process, in ns (Linux ``schedstat``: not sampled,
+    unaffected by waiting)."""
     try:
         text = Path(f"/proc/{main_pid}/task/{main_pid}/children").read_text()
     except OSError:
         text = ""
     pool = sum(_thread_cpu_ns(int(child)) for child in text.split())
-    return _thread_cpu_ns(main_pid), pool, _thread_cpu_ns(server_pid)
+    return (
+        _thread_cpu_ns(main_pid),
+        pool,
+        _thread_cpu_ns(server_pid),
+        _thread_cpu_ns(producer_pid),
+    )
+
+
+def probe_journals(
+    servers: dict[str, redis.Redis], publishers: dict[str, Publisher], pool: str
+) -> dict[str, list[str]]:
+    """The keys each variant's producer writes for a message it publishes, besides the
+    message, each after the name of its server (``servers``): found by what it does (one task
+    published to a queue of its own that nobody consumes), not by what its checkout is
+    assumed to have. Those keys, the probe queue and its bindings are deleted after."""
+    probes = {variant: f"bench-probe-{variant}-{pool}" for variant in publishers}
+    offset = unique_offset()
+    for variant, publisher in publishers.items():
+        publisher.publish("bench.noop", 1, offset, probes[variant])
+    deadline = time.monotonic() + PROBE_WAIT_S
+    while True:
+        found = {
+            variant: sorted(
+                f"{name} {key.decode()}"
+                for name, server in servers.items()
+                for key in server.scan_iter(match=f"*{queue}*")
+                # the message's own list (a priority's too) and kombu's bindings
+                if not key.decode().startswith((queue, "_kombu."))
+            )
+            for variant, queue in probes.items()
+        }
+        if all(found.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for server in servers.values():
+        for queue in probes.values():
+            for key in server.scan_iter(match=f"*{queue}*"):
+                server.delete(key)
+    return found
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -243,7 +346,8 @@ def main() -> None:
     parser.add_argument(
         "--baseline",
         type=Path,
-        help="a checkout of an earlier commit: adds the variant claims-base (its claims worker)",
+        help="a checkout of an earlier commit: adds the variants claims-base and "
+        "claims-sep-base (its claims worker and producer)",
     )
     parser.add_argument(
         "--profile",
@@ -297,16 +401,31 @@ def main() -> None:
             # batches of one kind run back to back: a machine that gets slower or faster
             # over the run moves every variant of a round alike.
             procs: dict[str, subprocess.Popen[bytes]] = {}
+            publishers: dict[str, Publisher] = {}
             try:
                 for variant in variants:
                     queue = f"bench-{variant}-{pool}"
                     log = logs / f"{queue}.log"
                     procs[variant] = start_worker(url, variant, pool, queue, log)
+                    publishers[variant] = Publisher(
+                        url, variant, queue, logs / f"{queue}.producer.log"
+                    )
                 for variant in variants:
                     queue = f"bench-{variant}-{pool}"
                     log = logs / f"{queue}.log"
-                    wait_ready(client, url, variant, queue, log)
-                    run_batch(client, url, variant, queue, "bench.noop", warmup, log=log)
+                    publisher = publishers[variant]
+                    wait_ready(client, publisher, variant, queue, log)
+                    run_batch(client, publisher, variant, queue, "bench.noop", warmup, log=log)
+                journaled = probe_journals({"broker": client, "store": store}, publishers, pool)
+                for variant in variants:
+                    keys = ", ".join(journaled[variant]) or "nothing"
+                    print(f"{pool} {variant}: its producer wrote {keys}", flush=True)
+                    if variant in BASE_VARIANTS and not journaled[variant]:
+                        print(
+                            f"  {variant}: the baseline's producer journals nothing (a checkout "
+                            "without the publish journal, or whose bench app lacks "
+                            f"{checkout(variant)[1]}): not like for like with this tree's"
+                        )
                 for rnd in range(rounds):
                     # rotate the order so no variant always runs first (or on a warmer machine)
                     order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
@@ -317,21 +436,23 @@ def main() -> None:
                         # variant it was (the cores' clock speeding up, caches), and the
                         # rotation alone left that to whichever variant came first
                         first = f"bench-{order[0]}-{pool}"
-                        run_batch(client, url, order[0], first, task, max(50, tasks // 4))
+                        run_batch(
+                            client, publishers[order[0]], order[0], first, task, max(50, tasks // 4)
+                        )
                         for variant in order:
                             queue = f"bench-{variant}-{pool}"
                             log = logs / f"{queue}.log"
                             before = script_calls(store)
-                            cpu_before = cpu_ns(procs[variant].pid, server_pid)
+                            pids = (procs[variant].pid, server_pid, publishers[variant].proc.pid)
+                            cpu_before = cpu_ns(*pids)
                             measured[variant] = run_batch(
-                                client, url, variant, queue, task, tasks, log=log
+                                client, publishers[variant], variant, queue, task, tasks, log=log
                             )
-                            cpu_after = cpu_ns(procs[variant].pid, server_pid)
-                            main_us, pool_us, server_us = (
+                            cpu_after = cpu_ns(*pids)
+                            main_us, pool_us, server_us, producer_us = (
                                 (b - a) / 1000 / tasks
                                 for a, b in zip(cpu_before, cpu_after, strict=True)
                             )
-                            producer_us = PUBLISH_CPU_S * 1e6 / tasks
                             cpus.setdefault((pool, kind, variant), []).append(
                                 (
                                     main_us,
@@ -366,18 +487,17 @@ def main() -> None:
                                 flush=True,
                             )
             finally:
-                for variant, proc in procs.items():
+                for proc in procs.values():
                     stop(proc)
-                    app = _producers.pop((variant, f"bench-{variant}-{pool}"), None)
-                    if app is not None:
-                        app.close()  # type: ignore[attr-defined]
+                for publisher in publishers.values():
+                    publisher.close()
         client.close()
         store.close()
     print(f"\n{tasks} tasks per batch, {rounds} round(s); ratio = time / plain Celery's time")
-    print("store calls: EVALSHA on the separate claim store per message, median (claims-sep's")
-    print("producer journals: one of them per message is its publish journal write)")
+    print("store calls: EVALSHA on the separate claim store per message, median (a producer")
+    print("that journals, above, makes one of them per message: its publish journal write)")
     print("CPU: µs per message of the worker's main process, its pool processes, the")
-    print("broker's redis-server, the producer's publishing thread (this process) and their")
+    print("broker's redis-server, the producer's process (every thread, over the batch) and their")
     print("sum (median of the rounds; x = against plain Celery's). On a machine whose cores")
     print("the batch keeps busy, the sum is what the time follows, with less noise")
     print(
