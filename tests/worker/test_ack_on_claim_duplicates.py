@@ -111,3 +111,40 @@ def test_a_restored_and_a_duplicate_copy_are_acked_unrun_and_the_journal_entry_b
     assert second.alive(), fleet.logs()
     wait_for(lambda: client_redis.llen(queue) == 0, timeout=10, what="an empty queue")
     wait_for(lambda: not unacked_task_ids(client_redis), timeout=10, what="nothing unacked")
+
+
+def test_a_copy_whose_task_has_no_journal_entry_is_held_until_the_holder_is_done(
+    fleet: Fleet, durable_redis: RedisServer, queue: str
+) -> None:
+    # Given a worker acking at claim running a task, whose journal entry is gone (its holder
+    # wrote it at the start: here it is removed, as a store that lost it would have)
+    client_redis = fleet.redis(durable_redis.url)
+    url = durable_redis.url
+    client = fleet.client(url, url, queue)  # a plain producer: it journals nothing
+    start_worker(fleet, "a", durable_redis, queue)
+    result = client.send_task("fleet.sleep", (TASK_S / 2,), task_id="long-held")
+    wait_for(
+        lambda: events_of(executions(url, queue), "start", "long-held"),
+        timeout=30, what="the run's start",
+    )  # fmt: skip
+    journal = RedisJournal(client=client_redis, prefix="claims")
+    wait_for(lambda: "long-held:0:0" in journal.entries(queue), timeout=10, what="the entry")
+    journal.forget(queue, ["long-held:0:0"])
+
+    # When a copy of it comes while it runs
+    client.send_task("fleet.sleep", (TASK_S / 2,), task_id="long-held")
+
+    # Then nothing but the broker's message keeps that copy: it is held (fail closed), and
+    # skipped as done once the run has ended; the task runs once
+    history = History(client_redis, "claims")
+    wait_for(
+        lambda: any(e.event == "held" for e in history.read("long-held")),
+        timeout=TASK_S, interval=0.2, what="the copy held",
+    )  # fmt: skip
+    assert result.get(timeout=TASK_S + 30) == TASK_S / 2
+    wait_for(
+        lambda: skipped_reasons(client_redis, "long-held"),
+        timeout=30, interval=0.2, what="the copy skipped",
+    )  # fmt: skip
+    assert skipped_reasons(client_redis, "long-held") == ["done"]
+    assert len(events_of(executions(url, queue), "start", "long-held")) == 1
