@@ -59,7 +59,9 @@ _WORKER_COUNTERS: tuple[tuple[str, str, str, dict[str, tuple[str, ...]]], ...] =
         "live; kept unacked), unavailable (claim store down; kept unacked); for keyed tasks "
         "(claims_key) key_held (another task id held the key: skip policy, acked unrun), "
         "key_rescheduled (published again for later), key_done (the key was kept done by "
-        "claims_key_done_ttl), key_refused (no key could be made: recorded failed).",
+        "claims_key_done_ttl), key_refused (no key could be made: recorded failed); claimed "
+        "(acknowledged at claim: another worker's live lease and the task's journal entry "
+        "keep it, acked unrun).",
         "reason",
         {
             "done": ("skipped_done",),
@@ -69,6 +71,7 @@ _WORKER_COUNTERS: tuple[tuple[str, str, str, dict[str, tuple[str, ...]]], ...] =
             "key_rescheduled": ("rescheduled_key_held",),
             "key_done": ("skipped_key_done",),
             "key_refused": ("refused_key",),
+            "claimed": ("skipped_claimed",),
         },
     ),
     (

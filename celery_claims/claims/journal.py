@@ -14,12 +14,18 @@ hash tag (:class:`~celery_claims.claims.keys.QueueKeys`):
 - ``{q}:jn`` hash, task id -> how many times recovery has re-published it;
 - ``{q}:jl`` the scan lock (``SET NX PX``: one worker scans a queue at a time).
 
+An entry goes only when its task is over: cleared by a worker once the attempt is recorded
+done (or given up), or ended for good without a record (failed, rejected, revoked, refused), or
+dropped by recovery (done, expired, undecodable, re-published too often). While it is there and
+a live lease holds the task, the two are the task's durable copy (:meth:`RedisJournal.held_call`).
+
 Times come from the Redis server's clock, like claim expiries: a producer or worker whose own
 clock is off neither delays nor hastens recovery.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -31,10 +37,12 @@ from redis.commands.core import Script
 
 from celery_claims.claims.calls import RedisClient, ScriptCall, translate_errors
 from celery_claims.claims.keys import DEFAULT_PREFIX, QueueKeys, require_prefix
+from celery_claims.claims.scripts import script_source
 from celery_claims.errors import BackendError, InvalidArgument
+from celery_claims.model import AlreadyClaimed
 from celery_claims.validation import require_id, require_ms
 
-__all__ = ["JournalEntry", "RedisJournal"]
+__all__ = ["Held", "JournalEntry", "RedisJournal"]
 
 #: Most entries one :meth:`RedisJournal.take_due` call returns (bounds a scan's time).
 MAX_TAKE = 1000
@@ -47,6 +55,27 @@ def _source(name: str) -> str:
 
 def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class Held(enum.IntEnum):
+    """What ``journal_held.lua`` found (:meth:`RedisJournal.held_call`): its status codes."""
+
+    #: no live claim of another owner holds the task (none, an expired one, the asker's own)
+    NOT_HELD = 0
+    #: another owner's live lease holds the task, and its message is journaled
+    JOURNALED = 1
+    #: another owner's live lease holds the task; its message is not journaled
+    NOT_JOURNALED = 2
+
+
+def _held(reply: Any) -> tuple[Held, AlreadyClaimed | None]:
+    """``journal_held.lua``'s reply: the status, and the holder where one holds the task."""
+    code = int(reply[0]) if reply else -1
+    if code == Held.NOT_HELD:
+        return Held.NOT_HELD, None
+    if code in (Held.JOURNALED, Held.NOT_JOURNALED):
+        return Held(code), AlreadyClaimed(_text(reply[1]), int(reply[2]))
+    raise BackendError(f"journal_held.lua answered an unknown status: {reply!r:.80}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +114,21 @@ class RedisJournal:
         self._put: Script = client.register_script(_source("journal_put"))
         self._take: Script = client.register_script(_source("journal_take"))
         self._forget: Script = client.register_script(_source("journal_forget"))
+        # it reads a claim entry: the claim scripts' preamble (its parser) comes with it
+        self._held: Script = client.register_script(script_source("journal_held"))
         self._keys: dict[str, QueueKeys] = {}
 
     @property
     def scripts(self) -> Mapping[str, Script]:
         """The registered scripts by operation name (``journal_put``, ``journal_take``,
-        ``journal_forget``)."""
+        ``journal_forget``, ``journal_held``)."""
         return MappingProxyType(
-            {"journal_put": self._put, "journal_take": self._take, "journal_forget": self._forget}
+            {
+                "journal_put": self._put,
+                "journal_take": self._take,
+                "journal_forget": self._forget,
+                "journal_held": self._held,
+            }
         )
 
     def keys(self, queue_id: str) -> QueueKeys:
@@ -230,6 +266,28 @@ class RedisJournal:
         if not ids:
             raise InvalidArgument("task_ids", "must name at least one task")
         return ScriptCall(self._forget, keys.journal_keys, ids, int)
+
+    def held_call(
+        self, queue_id: str, task_id: str, owner: str
+    ) -> ScriptCall[tuple[Held, AlreadyClaimed | None]]:
+        """The checked, unsent question "does another owner's live lease hold ``task_id``,
+        and is its message journaled?", both read in one script (``journal_held.lua``).
+
+        Its result is :attr:`Held.JOURNALED` or :attr:`Held.NOT_JOURNALED` with the holder
+        (its owner and lease expiry), or :attr:`Held.NOT_HELD` with None (no claim, an
+        expired one, or ``owner``'s own). A task acknowledged at claim that is
+        :attr:`Held.JOURNALED` has a durable copy besides any message: if its holder dies,
+        recovery publishes the entry again once the lease has run out.
+
+        Raises:
+            InvalidArgument: a bad queue, task id or owner.
+        """
+        keys = self.keys(queue_id)
+        require_id("task_id", task_id)
+        require_id("owner", owner)
+        return ScriptCall(
+            self._held, [keys.claims, keys.owners, keys.journal], [task_id, owner, ""], _held
+        )
 
     def count_republished(self, queue_id: str, task_id: str) -> int:
         """Count one more re-publish of ``task_id``'s message; returns the new count.

@@ -83,6 +83,7 @@ class SkipReason(str, enum.Enum):
     KEY_RESCHEDULED = "key_rescheduled"
     KEY_DONE = "key_done"
     KEY_REFUSED = "key_refused"
+    CLAIMED = "claimed"
 
     def __str__(self) -> str:
         return self.value
@@ -133,6 +134,13 @@ SKIP_REASONS: Mapping[SkipReason, SkipMeaning] = MappingProxyType(
             "no key could be made from the message's arguments: recorded as failed with "
             "`KeyRefused`, never run",
             "`None` (the signal also passes `error`, the `KeyRefused`)",
+        ),
+        SkipReason.CLAIMED: SkipMeaning(
+            "a copy of a task acknowledged at claim (`claims_ack_on_claim`) met it claimed by "
+            "another copy's live lease with its publish journal entry in the store (both read "
+            "in one script): the lease and the entry are its durable copy, published again by "
+            "journal recovery if the holder dies; the entry stays",
+            "the holder's `AlreadyClaimed` (its `owner` and lease expiry)",
         ),
     }
 )

@@ -101,6 +101,10 @@ SKIP_WORDING: Mapping[SkipReason, str] = MappingProxyType(
             "message acked on {worker}, never run: no key could be made from its arguments "
             "({other}); recorded as failed (KeyRefused)"
         ),
+        SkipReason.CLAIMED: (
+            "duplicate acked without running on {worker}: the task, acknowledged at claim, is "
+            "running under {other}'s live lease, its publish journal entry the durable copy"
+        ),
     }
 )
 

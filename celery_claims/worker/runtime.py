@@ -71,6 +71,7 @@ class ClaimsRuntime:
             self.journal = WorkerJournal(app, settings, self.manager, self.counters, hostname)
             self.life.on_gone = self.journal.settled
             self.life.w.keep_message = self.journal.keep
+            self.life.w.held_call = self.journal.store.held_call
 
     def live_claims(self) -> list[Copy]:
         """The copies whose claims are renewed right now."""

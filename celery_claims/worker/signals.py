@@ -24,7 +24,9 @@ __all__ = [
 
 #: A copy was acknowledged without running. Arguments: ``request``, ``reason`` (``"done"``,
 #: ``"given_up"`` for a poison task; for a keyed task ``"key_held"``, ``"key_rescheduled"``,
-#: ``"key_done"`` or ``"key_refused"``), ``claim_id`` (queue/task/attempt, or queue/key),
+#: ``"key_done"`` or ``"key_refused"``; ``"claimed"`` for a copy of a task acknowledged at
+#: claim whose claim another copy's live lease holds, its publish journal entry in the store),
+#: ``claim_id`` (queue/task/attempt, or queue/key),
 #: ``record`` (the ``AlreadyDone`` or ``GivenUp`` record, the holder's ``AlreadyClaimed``, or
 #: None), ``holder_task_id`` (the task id that held or finished the key, else None) and, for
 #: ``"key_refused"``, ``error`` (the :class:`~celery_claims.errors.KeyRefused`).
@@ -81,7 +83,9 @@ class Counters:
     ``journal_write_failed`` in :data:`celery_claims.worker.publish.producer.PUBLISH_COUNTERS`, one
     per process); ``events_dropped`` (task history entries its writer dropped: queue full, or the
     store away too long); ``skipped_key_held``, ``rescheduled_key_held``, ``skipped_key_done``,
-    ``refused_key`` (keyed tasks, ``keyed.py``).
+    ``refused_key`` (keyed tasks, ``keyed.py``); ``skipped_claimed`` (copies of a task
+    acknowledged at claim acked unrun: another copy's live lease and the task's journal entry
+    are its durable copy), ``held_check_failed`` (the store could not tell: held instead).
     """
 
     def __init__(self) -> None:

@@ -11,10 +11,13 @@ times out after 5 s.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import pytest
+from kombu import Connection
 
+from celery_claims.observe import History
 from tests.servers import RabbitMQServer, RedisServer, redis_server
 from tests.worker.helpers import wait_for
 from tests.worker.processes import Fleet, Proc, events_of, executions
@@ -166,6 +169,75 @@ def test_a_long_task_acked_at_claim_whose_worker_is_killed_is_taken_over_and_app
     assert REFUSED not in second.output(), fleet.logs()
     assert second.alive(), fleet.logs()
     assert wait_for(lambda: private_rabbitmq.messages(queue) == (0, 0), timeout=10)
+
+
+def consumers(node: RabbitMQServer, queue: str) -> int:
+    """How many consumers ``queue`` has on ``node``."""
+    out = node.ctl("list_queues", "-q", "--no-table-headers", "name", "consumers")
+    return next(
+        int(n) for name, n in (line.split("\t") for line in out.splitlines()) if name == queue
+    )
+
+
+def skipped_reasons(store: RedisServer, task_id: str) -> list[str]:
+    """The reasons of the ``skipped`` events in ``task_id``'s task history, oldest first."""
+    history = History(store.client(), "claims")
+    return [e.reason for e in history.read(task_id) if e.event == "skipped"]
+
+
+def test_a_duplicate_and_a_redelivered_copy_of_a_task_acked_at_claim_are_acked_unrun_while_it_runs(
+    fleet: Fleet, private_rabbitmq: RabbitMQServer, durable_redis: RedisServer, queue: str
+) -> None:
+    # Given a worker acking at claim, on a node whose consumer_timeout is 5 s, running a task
+    # three times longer than that (its message acked, its journal entry and live lease are
+    # the task's durable copy)
+    store = durable_redis.url
+    worker = start_worker(
+        fleet, "a", private_rabbitmq, durable_redis, queue, plugin=True, ack_on_claim=True
+    )
+    client = fleet.client(
+        private_rabbitmq.url, store, queue, plugin=True, conf={"claims_redis_url": store}
+    )
+    result = client.send_task("fleet.sleep_then_apply", (TASK_S,), task_id="long-dup")
+    wait_for(
+        lambda: events_of(executions(store, queue), "start", "long-dup"),
+        timeout=30, what="the run's start",
+    )  # fmt: skip
+
+    # When a copy of the same task is taken by another consumer, which loses its channel (the
+    # worker stops consuming meanwhile, so that the other consumer gets it), and a producer
+    # publishes the task again, both while it runs
+    node = f"a@{socket.gethostname()}"
+    assert client.control.cancel_consumer(queue, destination=[node], reply=True), fleet.logs()
+    wait_for(lambda: consumers(private_rabbitmq, queue) == 0, timeout=10, what="no consumer")
+    client.send_task("fleet.sleep_then_apply", (TASK_S,), task_id="long-dup")
+    with Connection(private_rabbitmq.url) as other:
+        taken = wait_for(
+            lambda: other.default_channel.basic_get(queue=queue, no_ack=False),
+            timeout=10, what="the other consumer's copy",
+        )  # fmt: skip
+        assert taken.headers["id"] == "long-dup"
+        assert client.control.add_consumer(queue, destination=[node], reply=True), fleet.logs()
+        client.send_task("fleet.sleep_then_apply", (TASK_S,), task_id="long-dup")
+    # (the other consumer's channel closed with its copy unacked: RabbitMQ redelivers it)
+
+    # Then both copies are acked without running, their task claimed by a live lease with its
+    # publish journal entry in the store; the task runs to its end once and its effect is
+    # applied once; no channel is refused, the worker stays up and the queue ends empty
+    wait_for(
+        lambda: skipped_reasons(durable_redis, "long-dup") == ["claimed", "claimed"],
+        timeout=TASK_S, interval=0.2, what="both copies acked as claimed",
+    )  # fmt: skip
+    assert result.get(timeout=TASK_S * 2 + 60) == TASK_S
+    log = executions(store, queue)
+    assert len(events_of(log, "start", "long-dup")) == 1, log
+    assert len(events_of(log, "end", "long-dup")) == 1, log
+    assert int(durable_redis.client().get(f"effects:{queue}") or 0) == 1
+    assert worker.output().count("Task fleet.sleep_then_apply[long-dup] received") == 3
+    assert REFUSED not in worker.output(), fleet.logs()
+    assert worker.alive(), fleet.logs()
+    assert wait_for(lambda: private_rabbitmq.messages(queue) == (0, 0), timeout=10)
+    assert skipped_reasons(durable_redis, "long-dup") == ["claimed", "claimed"]
 
 
 @pytest.mark.xfail(

@@ -22,7 +22,8 @@ from celery import Celery
 from celery.worker import state as worker_state
 
 from celery_claims import InvalidArgument, RedisClaimManager
-from celery_claims.claims.journal import RedisJournal
+from celery_claims.claims.journal import Held, RedisJournal
+from celery_claims.model import AlreadyClaimed
 from celery_claims.worker import load_settings
 from celery_claims.worker.publish.envelope import Envelope
 from celery_claims.worker.publish.producer import PUBLISH_COUNTERS, connect_producer
@@ -384,3 +385,37 @@ def test_a_kept_write_leaves_the_producers_entry_and_count_and_brings_its_recove
     # And where the producer wrote nothing, the kept write journals the message
     journal.put(queue, "t2:0:0", "worker's", recover_after_ms=5_000, keep=True)
     assert journal.entries(queue)["t2:0:0"][0] == "worker's"
+
+
+def test_journal_held_tells_a_live_lease_of_another_owner_with_or_without_the_entry(
+    journal: RedisJournal, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    # Given a claim store whose task t1 another owner holds, and whose message is journaled
+    claims = RedisClaimManager(client=redis_client, prefix=key_prefix)
+    queue, task = "q", "t1:0:0"
+    token = claims.claim(queue, task, "holder", 60_000).token
+    assert token is not None
+    journal.put(queue, task, "message", recover_after_ms=60_000)
+
+    def held(task_id: str, owner: str = "asker") -> tuple[Held, AlreadyClaimed | None]:
+        return claims.execute(journal.held_call(queue, task_id, owner))
+
+    # When a copy asks, Then: held by a live lease with its entry, in one answer
+    assert held(task) == (Held.JOURNALED, AlreadyClaimed("holder", token.expires_at))
+    # ... the holder asking finds its own claim holds nothing against it
+    assert held(task, "holder") == (Held.NOT_HELD, None)
+    # ... without the entry it says so (the copy is held: fail closed)
+    journal.forget(queue, [task])
+    assert held(task)[0] is Held.NOT_JOURNALED
+    # ... and a task nobody holds, or whose lease has run out, is not held
+    assert held("t2:0:0") == (Held.NOT_HELD, None)
+    claims.claim(queue, "t3:0:0", "holder", 1)
+    journal.put(queue, "t3:0:0", "message", recover_after_ms=60_000)
+    wait_for(lambda: held("t3:0:0") == (Held.NOT_HELD, None), timeout=5, what="expiry")
+
+
+def test_journal_held_refuses_bad_ids_before_anything_is_sent(journal: RedisJournal) -> None:
+    with pytest.raises(InvalidArgument, match="owner"):
+        journal.held_call("q", "t1:0:0", "")
+    with pytest.raises(InvalidArgument, match="task_id"):
+        journal.held_call("q", "", "asker")

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from celery_claims.observe import History
 from tests.servers import MotoServer, RedisServer, redis_server
 from tests.worker.helpers import wait_for
 from tests.worker.processes import Fleet, events_of, executions
@@ -108,4 +109,48 @@ def test_claims_worker_acking_at_claim_takes_a_task_longer_than_the_timeout_off_
     log = executions(store, queue)
     assert len(events_of(log, "start", "long-1")) == 1, log
     assert worker.output().count("Task fleet.sleep[long-1] received") == 1, fleet.logs()
+    assert wait_for(lambda: private_sqs.messages(queue) == (0, 0), timeout=10)
+
+
+def test_a_duplicate_of_a_task_acked_at_claim_is_deleted_unrun_while_it_runs_on_sqs(
+    fleet: Fleet, private_sqs: MotoServer, durable_redis: RedisServer, queue: str
+) -> None:
+    # Given a worker acking at claim on SQS (messages hidden 5 s once received), running a
+    # task three times longer than that, published by a claims-aware producer
+    store = durable_redis.url
+    conf = {"broker_transport_options": transport_options(private_sqs)}
+    worker = fleet.worker(
+        "a",
+        broker=private_sqs.url,
+        backend=store,
+        queue=queue,
+        extra=("--claims-redis-url", store, "--claims-ack-on-claim", "true"),
+        env={"CLAIMS_TEST_CONF": json.dumps(conf)},
+    ).wait_ready()
+    client = fleet.client(
+        private_sqs.url, store, queue, plugin=True, conf={**conf, "claims_redis_url": store}
+    )
+    result = client.send_task("fleet.sleep", (TASK_S,), task_id="long-dup")
+    wait_for(
+        lambda: events_of(executions(store, queue), "start", "long-dup"),
+        timeout=30, what="the run's start",
+    )  # fmt: skip
+
+    # When the producer publishes the same task again while it runs
+    client.send_task("fleet.sleep", (TASK_S,), task_id="long-dup")
+
+    # Then the duplicate is deleted without running as soon as it is received, its task
+    # claimed by a live lease with its journal entry (not held, shown again at every
+    # visibility timeout and skipped once the run ends); the task runs once; the queue ends
+    # empty
+    history = History(durable_redis.client(), "claims")
+    wait_for(
+        lambda: [e.reason for e in history.read("long-dup") if e.event == "skipped"],
+        timeout=TASK_S, interval=0.2, what="the duplicate acked",
+    )  # fmt: skip
+    assert result.get(timeout=TASK_S + 30) == TASK_S
+    assert [e.reason for e in history.read("long-dup") if e.event == "skipped"] == ["claimed"]
+    log = executions(store, queue)
+    assert len(events_of(log, "start", "long-dup")) == 1, log
+    assert worker.output().count("Task fleet.sleep[long-dup] received") == 2, fleet.logs()
     assert wait_for(lambda: private_sqs.messages(queue) == (0, 0), timeout=10)

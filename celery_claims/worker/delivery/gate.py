@@ -395,7 +395,8 @@ class ClaimGate:
             elif policy == "reschedule":
                 self.life.unrun.reschedule(copy, outcome)
             else:
-                self.life.holds.hold(copy, "held", holder=outcome.owner, error=None)
+                # held; or, acknowledged at claim with its journal entry, acked unrun
+                self.life.unrun.held(copy, outcome)
         elif isinstance(outcome, BackendUnavailable):
             self.life.holds.hold(copy, "unavailable", holder=None, error=outcome)
         else:

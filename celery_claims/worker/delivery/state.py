@@ -114,7 +114,8 @@ def move(state: State, to: State, *, claim_id: str = "") -> State:
 class Ending(enum.Enum):
     """The ways a copy ends; each is one row of :data:`ENDINGS`, carried out in one place."""
 
-    #: the task is recorded done (or given up, or its key is another task's): acked unrun
+    #: the task is recorded done (or given up, or its key is another task's; or, acked at
+    #: claim, another copy's live lease and its journal entry keep it): acked unrun
     ACK_UNRUN = "ack_unrun"
     #: a keyed copy whose key is held: published again with a countdown, then acked unrun
     RESCHEDULE = "reschedule"
@@ -158,9 +159,12 @@ class EndingRow:
 ENDINGS: dict[Ending, EndingRow] = {
     Ending.ACK_UNRUN: EndingRow(
         state=State.SKIPPED,
-        broker="acked (the task is recorded done: this copy is not the durable one)",
-        store="nothing (the record it met stays); a key's unrun task id: REVOKED result",
-        journal="cleared before the ack (kept as not done for a key held by another task)",
+        broker="acked (the task is recorded done, or, acknowledged at claim, another copy's "
+        "live lease and its journal entry are its durable copy: this copy is not the durable "
+        "one)",
+        store="nothing (the record or claim it met stays); a key's unrun task id: REVOKED result",
+        journal="cleared before the ack (kept as not done for a key held by another task; "
+        "kept for a task claimed by a live lease: the entry is its durable copy)",
         signals="task_ready, task_skipped(reason)",
     ),
     Ending.RESCHEDULE: EndingRow(

@@ -1,4 +1,5 @@
-"""Copies acked without running: the task is done, its key is another's, or it is refused.
+"""Copies acked without running: the task is done, its key is another's, it is refused, or
+it is acknowledged at claim and another copy's live lease and journal entry keep it.
 
 The endings ``ACK_UNRUN``, ``RESCHEDULE`` and ``REFUSE`` of :data:`~.state.ENDINGS`, written
 once (:meth:`Unrun._ack_unrun`): the journal entry first, then the ack, Celery's
@@ -7,13 +8,16 @@ once (:meth:`Unrun._ack_unrun`): the journal entry first, then the ack, Celery's
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from celery.utils.log import get_logger
 
+from celery_claims.claims.journal import Held
 from celery_claims.claims.keys import owner_task_key
-from celery_claims.errors import KeyRefused
+from celery_claims.errors import ClaimError, KeyRefused
 from celery_claims.model import AlreadyClaimed, AlreadyDone
+from celery_claims.observe.history import SkipReason
 from celery_claims.worker import signals
 from celery_claims.worker.compat import fail_unrun, republish, revoke_unrun, task_ready
 from celery_claims.worker.delivery.copy import Copy
@@ -22,6 +26,7 @@ from celery_claims.worker.delivery.keyed import RESCHEDULES_HEADER
 from celery_claims.worker.delivery.registry import Registry
 from celery_claims.worker.delivery.state import State
 from celery_claims.worker.delivery.wiring import Wiring
+from celery_claims.worker.policy import acks_on_claim
 
 __all__ = ["Unrun"]
 
@@ -56,15 +61,21 @@ class Unrun:
             if reason == "key_done"
             else f"key {copy.task_key} {_skip_detail(record)}"
             if reason == "key_held"
+            else f"claim {copy.claim_id} is held by {record.owner}'s live lease, its publish "
+            f"journal entry in the store (acknowledged at claim: the two are its durable copy)"
+            if reason == SkipReason.CLAIMED
             else f"claim {copy.claim_id} {_skip_detail(record)}",
         )
-        # only the message goes: the result the first run stored stays as it is
+        # only the message goes: the result the first run stored stays as it is. A copy
+        # acked because the task is claimed keeps the journal entry: it is the durable copy
         self._ack_unrun(
             request,
             reason,
             claim_id=copy.claim_id,
             record=record,
-            settled=(copy.queue_id, copy.task_key, reason in ("done", "given_up")),
+            settled=None
+            if reason == SkipReason.CLAIMED
+            else (copy.queue_id, copy.task_key, reason in ("done", "given_up")),
         )
         if reason in _NOT_RUN:
             # another task id held or finished the key: this one's own result says so (for a
@@ -76,6 +87,56 @@ class Unrun:
                 logger.warning(
                     "Skipped %s[%s]: result not stored: %r", request.name, request.id, exc
                 )
+
+    def held(self, copy: Copy, holder: AlreadyClaimed) -> None:
+        """Another owner's live lease holds the copy's task: hold the copy (``HELD``); or,
+        where its task is acknowledged at claim, first ask the store whether the task's publish
+        journal entry is there too, and if so ack the copy without running (``SKIPPED``,
+        ``claimed``).
+
+        Held, such a copy would stay unacked for as long as the holder runs, which is what
+        acking at claim is for: past RabbitMQ's ``consumer_timeout`` its channel is closed
+        and the worker goes down. Acking it keeps the safety rule (acked only where another
+        durable copy is owned by a live lease): the entry and the live lease, read in one
+        script (``journal_held.lua``), are that copy. The entry goes only once the task is
+        over (done, given up, failed or revoked: :mod:`celery_claims.claims.journal`), and if
+        the holder dies, its lease runs out and recovery publishes the entry again, to be
+        taken over. The copy's own message is never that durable copy: on the Redis broker a
+        restored message keeps its delivery tag, so the record this ack removes from
+        ``unacked`` may be the one the holder's delivery would ack, but the holder's task
+        does not rest on it. No entry, or no answer: held (fail closed), and asked again at
+        each re-check (the holder writes the entry when its pool starts it).
+        """
+        ask = self.w.held_call
+        if (
+            ask is None
+            or copy.key is not None
+            or not acks_on_claim(copy.request.task, self.w.settings)
+        ):
+            self.holds.hold(copy, "held", holder=holder.owner, error=None)
+            return
+        answered = functools.partial(self._held_answer, copy, holder)
+        try:
+            call = ask(copy.queue_id, copy.task_key, copy.owner)
+            if self.w.send(call, answered):
+                return  # answered on the event loop, the copy still RECEIVED or HELD
+            outcome: Any = self.w.manager.execute(call)
+        except ClaimError as exc:
+            outcome = exc
+        answered(outcome)
+
+    def _held_answer(self, copy: Copy, holder: AlreadyClaimed, outcome: Any) -> None:
+        """The store's answer for a copy whose task another lease holds (:meth:`held`)."""
+        if copy.state not in (State.RECEIVED, State.HELD):
+            return  # the consumer's connection closed meanwhile: the copy is gone
+        if isinstance(outcome, tuple) and outcome[0] is Held.JOURNALED:
+            self.skip(copy, outcome[1], SkipReason.CLAIMED)
+            return
+        if isinstance(outcome, BaseException):
+            self.w.counters.incr("held_check_failed")
+            logger.debug("Claim %s: held, its journal entry not known: %r", copy.claim_id, outcome)
+        # no entry (or the holder's lease ended meanwhile: the next re-check claims it)
+        self.holds.hold(copy, "held", holder=holder.owner, error=None)
 
     def reschedule(self, copy: Copy, holder: AlreadyClaimed) -> None:
         """Another task holds the copy's key (``reschedule`` policy): its message is

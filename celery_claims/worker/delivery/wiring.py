@@ -72,6 +72,11 @@ class Wiring:
         #: message)``, waited for, before it is acknowledged at claim (set by the runtime when
         #: the journal is on); raises ``ClaimError`` or ``ValueError`` if it cannot
         self.keep_message: Callable[[str, str, Any], object] | None = None
+        #: builds the one-script question "does another owner's live lease hold this task,
+        #: and is its message journaled?" ``(queue_id, task_key, owner)``
+        #: (:meth:`~celery_claims.claims.journal.RedisJournal.held_call`; set by the runtime
+        #: when the journal is on)
+        self.held_call: Callable[[str, str, str], ScriptCall[Any]] | None = None
         #: completions recorded lately, written again after a Sentinel failover (failover.py)
         self.recent = RecentCompletions()
 
