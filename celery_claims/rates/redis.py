@@ -17,7 +17,13 @@ from typing import Any, TypeVar
 
 from redis.commands.core import Script
 
-from celery_claims.claims.calls import RedisClient, ScriptCall, translate_errors
+from celery_claims.claims.calls import (
+    CALLER_CLOCK_TTL_PAD_MS,
+    RatePart,
+    RedisClient,
+    ScriptCall,
+    translate_errors,
+)
 from celery_claims.claims.keys import DEFAULT_PREFIX, QueueKeys, require_prefix
 from celery_claims.claims.scripts import script_source
 from celery_claims.clock import Clock
@@ -37,11 +43,6 @@ from celery_claims.validation import require_id
 __all__ = ["CALLER_CLOCK_TTL_PAD_MS", "RedisRateLimiter"]
 
 _T = TypeVar("_T")
-
-#: Ms added to each key's TTL when the caller sends its own clock (``clock=``). A TTL runs on
-#: the server's real time, which a caller's clock need not follow (a test's manual clock
-#: stands still): a key kept too long changes no answer, one gone too soon lets a start early.
-CALLER_CLOCK_TTL_PAD_MS = 3_600_000
 
 #: Scopes whose key names a limiter keeps built (a worker has a handful of queues).
 _SCOPES_CACHED = 1024
@@ -134,6 +135,22 @@ class RedisRateLimiter:
             args += [limit.rate.count, limit.rate.period_ms]
             names.append(limit.name)
         return ScriptCall(self.script, keys, args, partial(rate_result, names=names))
+
+    def claim_part(self, scope: str, limits: Sequence[Limit]) -> RatePart:
+        """The check of :meth:`acquire`, to go in a claim's own call
+        (``RedisClaimManager.claim_call(..., rate=...)``, ``claim_rated.lua``): counted once
+        the claim is granted, by the claim store's clock, and read as a :data:`RateResult`.
+
+        Raises:
+            InvalidArgument: as :meth:`acquire`.
+        """
+        keys = self.keys(scope, limits)
+        args: list[Any] = []
+        names = []
+        for limit in limits:
+            args += [limit.rate.count, limit.rate.period_ms]
+            names.append(limit.name)
+        return RatePart(keys, args, partial(rate_result, names=names))
 
     def execute(self, call: ScriptCall[_T]) -> _T:
         """Send ``call``, wait for its reply and decode it (one round trip).

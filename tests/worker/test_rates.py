@@ -415,8 +415,8 @@ def test_stats_list_and_inspect_say_which_rate_holds_a_waiting_copy(
     assert "WAITING for rate task:rates.tick (claimed, not running yet)" in inspected, inspected
     assert "waiting for rate task:rates.tick (used up)" in inspected
     # and the worker's exporter counts them, and its checks: the allowance of the first copy,
-    # which said when the next start may go, and at most one refusal (a copy that came after
-    # the first had gone asks once); none since: nothing polls
+    # which said when the next start may go, and a refusal for each other copy, each asked in
+    # its claim's own call (claim_rated.lua), and at most one more; none since: nothing polls
     waiting = {
         dict(labels)["rate"]: value
         for (name, labels), value in scraped.items()
@@ -424,7 +424,7 @@ def test_stats_list_and_inspect_say_which_rate_holds_a_waiting_copy(
     }
     assert waiting == {"task:rates.tick": 3}
     assert total([scraped], "celery_claims_worker_rate_checks_total", outcome="allowed") == 1
-    assert total([scraped], "celery_claims_worker_rate_checks_total", outcome="limited") <= 1
+    assert total([scraped], "celery_claims_worker_rate_checks_total", outcome="limited") <= 4
 
 
 @pytest.mark.timeout(60)

@@ -45,6 +45,7 @@ from celery.utils.log import get_logger
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import ClaimError, ClaimTokenError
 from celery_claims.model import ClaimToken, Success, TookOver
+from celery_claims.rates import RateResult
 from celery_claims.worker import signals
 from celery_claims.worker.compat import prefetch_qos, task_ready
 from celery_claims.worker.delivery.ack_on_claim import AckOnClaim
@@ -219,8 +220,17 @@ class Lifecycle:
         self.reg.add(copy)
         return copy
 
-    def acquired(self, copy: Copy, result: Success | TookOver, lane: Lane | None) -> None:
-        """The claim was granted: to the lane (``WAITING``) or the pool (``QUEUED``)."""
+    def acquired(
+        self,
+        copy: Copy,
+        result: Success | TookOver,
+        lane: Lane | None,
+        rate: RateResult | None = None,
+    ) -> None:
+        """The claim was granted: to the lane (``WAITING``) or the pool (``QUEUED``).
+
+        ``rate``: the verdict of the copy's rates, when its claim's call asked them.
+        """
         assert result.token is not None
         took_over = isinstance(result, TookOver)
         copy.token = result.token
@@ -258,7 +268,7 @@ class Lifecycle:
         if copy.rate_limits:
             # its rates first: a copy waiting for its turn to start holds no lane slot
             self.reg.move(copy, State.WAITING)
-            self.rates.admit(copy, copy.rate_limits, lane)
+            self.rates.admit(copy, copy.rate_limits, lane, rate)
         else:
             self._past_rates(copy, lane)
 
