@@ -1,12 +1,11 @@
 """``RedisRateLimiter``: fleet-wide rates in the claim store, one Lua script per start.
 
-Each limit is one string key under its scope's hash tag, ``<prefix>:{<scope>}:r:<name>``: the
-tag of a claim queue's keys when the scope is the queue's id, so ``claim.lua`` could count a
-start in the same call (``lua/_common.lua``, ``rate_check`` and ``rate_commit``). A key holds
-when its limit's next start is due and expires once that ms has passed: an idle limit costs
-nothing, and limits can be as many as there are keys (one per customer). Time is the Redis
-server's (``TIME`` in the script), one clock for the whole fleet; ``clock=`` sends the
-caller's (tests).
+Each limit is one string key under its scope's hash tag, ``<prefix>:{<scope>}:r:<name>``. A
+key holds when its limit's next start is due and expires once that ms has passed: an idle
+limit costs nothing, and limits can be as many as there are keys (one per customer). Time is
+the Redis server's (``TIME`` in the script), one clock for the whole fleet; ``clock=`` sends
+the caller's (tests). :meth:`RedisRateLimiter.claim_part` puts a start's check in its claim's
+own call (``claim_rated.lua``, ``lua/_common.lua``'s ``rate_check`` and ``rate_commit``).
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ its start, never blocking the worker.
 
 A task's ``claims_rate`` (``"10/s"``; with ``claims_rate_key``, per key of its arguments) and,
 under ``claims_rate_limit_fleetwide``, Celery's own ``rate_limit`` become :class:`Limit` s of
-:mod:`celery_claims.rates`. After the claim is granted and before its lane, a copy with limits
-asks the store (``RedisRateLimiter.acquire_call``, sent on the consumer's pipe, or blocking on
-a kept connection) whether it may start; a refused copy waits outside the pool: claimed,
-unacked, renewed by the keeper, its prefetch slot given back within the prefetch window,
+:mod:`celery_claims.rates`. A copy's claim call asks its limits too once the claim is granted
+(``claim_rated.lua``; on a Redis Cluster a call of its own right after, ``rate.lua``); a
+refused copy waits outside the pool, before its lane: claimed, unacked, renewed by the
+keeper, its prefetch slot given back (a window of them closes their queue: ``slots.py``),
 ``task_held(reason="rate")`` sent, and asked again when the store said its window frees
 (``retry_after_ms``, one consumer timer: no polling). Copies with the same limits form a
 **group** asked one at a time, oldest first (a refusal answers for all of them); groups due at
@@ -56,8 +56,9 @@ logger = get_logger("celery_claims.worker")
 RATE_AT_KEY = "claims_rate_at_ms"
 
 #: The scope (hash tag) of every rate's key: one slot, so one call counts a start against a
-#: task's, a key's and a lane's limits at once, whatever queue delivered it. Folding the check
-#: into ``claim.lua`` (docs/rates.md) would move them to the claim queue's slot.
+#: task's, a key's and a lane's limits at once, whatever queue delivered it. A claim's own
+#: call counts it too on a standalone or Sentinel store (``claim_rated.lua``), where a script
+#: may touch any slot; on a Redis Cluster the first check is a call of its own (docs/rates.md).
 RATE_SCOPE = "rates"
 
 
@@ -437,9 +438,11 @@ class WorkerRates:
             if copy.state is not State.WAITING:
                 continue
             copy.hold_reason = "rate"
-            # within the prefetch window, as held copies: the rest of the queue keeps flowing
-            # without this worker pulling the whole backlog of a limited task into memory
-            self.w.slots.give_back(copy)
+            # its slot back, so that the worker's other queues keep flowing; a window of
+            # waiting copies closes their queue, so that the worker does not pull a limited
+            # task's whole backlog into memory (slots.py)
+            key = copy.key
+            self.w.slots.wait_for_rate(copy, copy.queue_id if key is None else key.queue)
             self.w.counters.incr("rate_held")
             request = copy.request
             logger.info(
