@@ -516,10 +516,10 @@ def test_a_backlog_over_its_rate_waits_within_the_prefetch_window_and_other_queu
     other = client.send_task("rates.other", queue=f"{queue}-other", task_id="other")
 
     # Then the other queue's task runs without waiting for the backlog (an hour), and the
-    # worker keeps no more than twice its prefetch window of the backlog: the rest stays in
-    # the broker
+    # worker keeps no more than three times its prefetch window of the backlog (two close
+    # the queue, a window's slots may be on their way): the rest stays in the broker
     other.get(timeout=30)
     waited = {e["id"] for e in _log(backend, queue) if e["event"] == "held"}
     assert len(_starts(backend, queue, "rates.tick")) == 1
-    assert len(waited) <= 2 * window, len(waited)
-    assert _ready(broker, queue) >= BACKLOG - 1 - 2 * window
+    assert len(waited) <= 3 * window, len(waited)
+    assert _ready(broker, queue) >= BACKLOG - 1 - 3 * window

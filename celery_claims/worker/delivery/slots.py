@@ -9,7 +9,12 @@ from typing import Any
 
 from celery_claims.worker.delivery.copy import Copy
 
-__all__ = ["SlotLedger"]
+__all__ = ["CLOSE_AT_WINDOWS", "SlotLedger"]
+
+#: Prefetch windows of one queue's copies waiting for their rate that close the queue (it
+#: opens again at one window): as many as the worker kept before queues closed (a window
+#: given back, a window in its slots), so that as many keys of a rate per key take turns.
+CLOSE_AT_WINDOWS = 2
 
 
 class SlotLedger:
@@ -22,10 +27,10 @@ class SlotLedger:
       so one worker never pulls the whole queue into its held set;
     - a copy waiting for a full lane without bound: the lane's limit holds fleet-wide
       whoever holds its messages (:meth:`give_back`);
-    - a copy waiting for its rate without bound too, but counted per queue: once ``window``
-      copies of one queue wait, the worker stops taking messages from that queue
+    - a copy waiting for its rate without bound too, but counted per queue: once two windows
+      of one queue's copies wait, the worker stops taking messages from that queue
       (``valve(queue, False)``, then :meth:`settle`), and takes them again once no more than
-      half a window wait (:meth:`wait_for_rate`). A limited task's backlog then stays in
+      one window waits (:meth:`wait_for_rate`). A limited task's backlog then stays in
       the broker while the worker's other queues keep flowing (docs/rates.md, *A backlog
       over its rate*).
     """
@@ -84,14 +89,14 @@ class SlotLedger:
 
     def wait_for_rate(self, copy: Copy, queue: str) -> None:
         """Give back the slot of ``copy``, which waits for its rate, counted against the
-        ``queue`` it came from: the ``window``-th such copy of a queue closes it.
+        ``queue`` it came from: :data:`CLOSE_AT_WINDOWS` windows of them close it.
 
         Its slot always comes back: the worker's other queues keep flowing however many
         wait. What the worker holds is bounded by closing the queue instead. A copy of a
         queue being closed gives its slot back only once the consumer no longer takes from
         the queue (:meth:`settle`): a prefetch count raised before would let the broker
-        send more of it. So at most a window waits, and at most the window's slots more are
-        on their way, and a queue never has more than about twice the window waiting in one
+        send more of it. So at most two windows wait, and at most the window's slots more
+        are on their way: a queue never has more than about three windows waiting in one
         worker.
         """
         with self._lock:
@@ -99,7 +104,11 @@ class SlotLedger:
                 return
             self._rated[id(copy)] = queue
             waiting = self._per_queue[queue] = self._per_queue.get(queue, 0) + 1
-            close = bool(self.window) and waiting >= self.window and queue not in self._closed
+            close = (
+                bool(self.window)
+                and waiting >= CLOSE_AT_WINDOWS * self.window
+                and queue not in self._closed
+            )
             if close:
                 self._closed.add(queue)
             if queue in self._closed:
@@ -125,7 +134,7 @@ class SlotLedger:
 
     def take_back(self, copy: Copy) -> None:
         """Take the slot given back for ``copy`` (if any) again; a queue closed for its rate
-        waits opens again once no more than half a window of them wait."""
+        waits opens again once no more than a window of them waits."""
         with self._lock:
             queue = self._rated.pop(id(copy), None)
             given = id(copy) in self._given
@@ -138,8 +147,8 @@ class SlotLedger:
                 waiting = self._per_queue[queue] = self._per_queue[queue] - 1
                 if not waiting:
                     del self._per_queue[queue]
-                # half a window: a queue is not closed and opened again at every start
-                if queue in self._closed and waiting <= self.window // 2:
+                # a window apart: a queue is not closed and opened again at every start
+                if queue in self._closed and waiting <= self.window:
                     self._closed.discard(queue)
                     reopen = True
             valve = self._valve
