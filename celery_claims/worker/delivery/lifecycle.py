@@ -199,7 +199,7 @@ class Lifecycle:
             logger.info("Taking messages from queue %s again: fewer of them wait for a rate", queue)
         else:
             logger.info(
-                "Not taking messages from queue %s for now: a prefetch window of them waits "
+                "Not taking messages from queue %s for now: two prefetch windows of them wait "
                 "for a rate (the rest stays in the broker; other queues keep flowing)",
                 queue,
             )
