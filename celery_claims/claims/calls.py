@@ -51,8 +51,11 @@ from celery_claims.validation import (
 )
 
 __all__ = [
+    "CALLER_CLOCK_TTL_PAD_MS",
     "MANY_MAX_CALLS",
     "ManyPart",
+    "RatePart",
+    "RatedClaim",
     "RedisClient",
     "ScriptCall",
     "SCRIPTS",
@@ -87,8 +90,14 @@ SCRIPTS = (
     "read",
     "mark_started",
     "claim_many",
+    "claim_rated",
 )
 
+
+#: Ms added to each rate key's TTL when the caller sends its own clock (``clock=``). A TTL runs
+#: on the server's real time, which a caller's clock need not follow (a test's manual clock
+#: stands still): a key kept too long changes no answer, one gone too soon lets a start early.
+CALLER_CLOCK_TTL_PAD_MS = 3_600_000
 
 #: The most calls one ``claim_many`` script call carries (bounds the script's run time).
 MANY_MAX_CALLS = 64
@@ -158,6 +167,41 @@ class ManyPart:
     script: Script
     keys: list[str]
     args: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RatePart:
+    """A start's rates, to be checked in its claim's own call (``claim_rated.lua``).
+
+    Built by :meth:`celery_claims.rates.RedisRateLimiter.claim_part`; the claim store knows
+    nothing of rates but where their keys and arguments go and who reads their verdict.
+
+    Attributes:
+        keys: the rate key of each limit (``rate.lua``'s ``KEYS``).
+        args: each limit's count and period in ms, in the keys' order.
+        decode: reads the verdict (``rate.lua``'s reply) into the limiter's result.
+    """
+
+    keys: list[str]
+    args: list[Any]
+    decode: Callable[[Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RatedClaim:
+    """A granted claim and its start's verdict, answered by one ``claim_rated.lua`` call.
+
+    A claim that is not granted (held, done, given up) is answered alone: it counted no start.
+
+    Attributes:
+        claim: the granted claim (``Success`` or ``TookOver``): the copy holds it whatever
+            the verdict says.
+        rate: the verdict (a :class:`celery_claims.rates.RateResult`): the start was counted
+            (``RateAllowed``), or it must wait (``RateLimited``).
+    """
+
+    claim: Success | TookOver
+    rate: Any
 
 
 def many_call(calls: Sequence[ScriptCall[Any]]) -> ScriptCall[list[Any]]:
@@ -233,6 +277,20 @@ def gate_result(reply: Any, queue_id: str, task_id: str, owner: str) -> GateResu
     raise BackendError(f"unknown claim status code {status!r} from the claim store")
 
 
+def rated_gate_result(
+    reply: Any, queue_id: str, task_id: str, owner: str, rate: RatePart
+) -> GateResult | RatedClaim:
+    """Map a claim_rated.lua reply: claim.lua's, then the granted claim's rate verdict."""
+    claim = gate_result(reply[:5], queue_id, task_id, owner)
+    if not isinstance(claim, (Success, TookOver)):
+        return claim
+    if len(reply) < 7:
+        raise BackendError(
+            f"claim_rated.lua answered a granted claim without a verdict: {reply!r:.200}"
+        )
+    return RatedClaim(claim, rate.decode(reply[5:]))
+
+
 class ScriptRunner:
     """The claim store's scripts, and the calls of each operation (built and run).
 
@@ -305,12 +363,18 @@ class ScriptRunner:
         *,
         max_takeovers: int | None = None,
         given_up_ttl_ms: int = DEFAULT_GIVEN_UP_TTL_MS,
-    ) -> ScriptCall[GateResult]:
+        rate: RatePart | None = None,
+    ) -> ScriptCall[GateResult | RatedClaim]:
         """The checked, unsent call of :meth:`claim_unless_done` (or of :meth:`claim`).
 
         Registers the queue first (one round trip, once per queue and process). With
         ``honour_done=False`` records are ignored, so a given-up task is only refused by the
         call that gives it up: pass ``max_takeovers`` with ``honour_done=True``.
+
+        With ``rate`` (never on a Redis Cluster, where the rates' keys are in another slot:
+        :attr:`folds_rates`), a granted claim's start is counted against its rates in the
+        same call (``claim_rated.lua``), and the call's result is a :class:`RatedClaim`;
+        such a call goes alone, never in a ``claim_many`` call.
 
         Raises:
             InvalidArgument: as :meth:`claim_unless_done`.
@@ -332,6 +396,17 @@ class ScriptRunner:
             "" if limit is None else limit,
             given_up_ttl_ms,
         ]
+        if rate is not None:
+            if not self.folds_rates:
+                raise InvalidArgument("rate", "a Redis Cluster checks rates in a call of their own")
+            return ScriptCall(
+                self._scripts["claim_rated"],
+                [*keys.claim_keys, *rate.keys],
+                [*args, self._rate_pad(), *rate.args],
+                partial(
+                    rated_gate_result, queue_id=queue_id, task_id=task_id, owner=owner, rate=rate
+                ),
+            )
         return ScriptCall(
             self._scripts["claim"],
             keys.claim_keys,
@@ -339,6 +414,16 @@ class ScriptRunner:
             partial(gate_result, queue_id=queue_id, task_id=task_id, owner=owner),
             self._many("claim", keys, args),
         )
+
+    @property
+    def folds_rates(self) -> bool:
+        """Whether a claim can count its start's rates in its own call (:meth:`claim_call`
+        with ``rate``): on a standalone or Sentinel store a script may touch keys of any
+        hash tag; on a Redis Cluster all of one script's keys must share one slot."""
+        return not isinstance(self.client, redis.RedisCluster)
+
+    def _rate_pad(self) -> str:
+        return "0" if self._clock is None else str(CALLER_CLOCK_TTL_PAD_MS)
 
     def _many(self, name: str, keys: QueueKeys, args: list[Any]) -> ManyPart:
         """The part of a ``name`` call of queue ``keys`` in a ``claim_many`` call."""

@@ -18,6 +18,7 @@ from redis.commands.core import Script
 
 from celery_claims.claims.calls import (
     SCRIPTS,
+    RatedClaim,
     RedisClient,
     ScriptCall,
     ScriptRunner,
@@ -345,6 +346,7 @@ class RedisClaimManager(ScriptRunner):
             given_up_ttl_ms=given_up_ttl_ms,
         )
         result = self.execute(call)
+        assert not isinstance(result, RatedClaim)  # no rates were asked
         # AlreadyClaimed and AlreadyDone wrote only counters: nothing worth waiting for
         if result.acquired or isinstance(result, GivenUp):
             return self._replicated(result)

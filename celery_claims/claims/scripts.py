@@ -29,6 +29,9 @@ __all__ = ["MANY_OPS", "preamble_names", "script_source", "with_preamble"]
 #: and the code a ``claim_many`` call names it by.
 MANY_OPS = MappingProxyType({"claim": "c", "ack_done": "r"})
 
+#: Scripts that run other scripts' bodies as local functions, and which.
+_EMBEDDED = MappingProxyType({"claim_many": tuple(MANY_OPS), "claim_rated": ("claim",)})
+
 _DEFINITION = re.compile(r"^local (?:function )?([A-Za-z_]\w*)")
 _WORD = re.compile(r"[A-Za-z_]\w*")
 
@@ -113,13 +116,12 @@ def preamble_names(body: str) -> list[str]:
 @cache
 def script_source(name: str) -> str:
     """The source registered for the script ``lua/<name>.lua``: the preamble definitions it
-    uses, then its body (``claim_many``: the bodies of the operations it runs, as local
-    functions, then its own)."""
+    uses, then its body (``claim_many`` and ``claim_rated``: the bodies of the operations
+    they run, as local functions, then their own)."""
     parts = []
-    if name == "claim_many":
-        # the operations it runs are the very scripts a call alone runs, as local functions
-        for op in MANY_OPS:
-            parts.append(f"local function {op}(KEYS, ARGV)\n{_lua(op)}\nend")
+    # the operations it runs are the very scripts a call alone runs, as local functions
+    for op in _EMBEDDED.get(name, ()):
+        parts.append(f"local function {op}(KEYS, ARGV)\n{_lua(op)}\nend")
     parts.append(_lua(name))
     return with_preamble("\n".join(parts))
 

@@ -1,12 +1,11 @@
 """``RedisRateLimiter``: fleet-wide rates in the claim store, one Lua script per start.
 
-Each limit is one string key under its scope's hash tag, ``<prefix>:{<scope>}:r:<name>``: the
-tag of a claim queue's keys when the scope is the queue's id, so ``claim.lua`` could count a
-start in the same call (``lua/_common.lua``, ``rate_check`` and ``rate_commit``). A key holds
-when its limit's next start is due and expires once that ms has passed: an idle limit costs
-nothing, and limits can be as many as there are keys (one per customer). Time is the Redis
-server's (``TIME`` in the script), one clock for the whole fleet; ``clock=`` sends the
-caller's (tests).
+Each limit is one string key under its scope's hash tag, ``<prefix>:{<scope>}:r:<name>``. A
+key holds when its limit's next start is due and expires once that ms has passed: an idle
+limit costs nothing, and limits can be as many as there are keys (one per customer). Time is
+the Redis server's (``TIME`` in the script), one clock for the whole fleet; ``clock=`` sends
+the caller's (tests). :meth:`RedisRateLimiter.claim_part` puts a start's check in its claim's
+own call (``claim_rated.lua``, ``lua/_common.lua``'s ``rate_check`` and ``rate_commit``).
 """
 
 from __future__ import annotations
@@ -17,7 +16,13 @@ from typing import Any, TypeVar
 
 from redis.commands.core import Script
 
-from celery_claims.claims.calls import RedisClient, ScriptCall, translate_errors
+from celery_claims.claims.calls import (
+    CALLER_CLOCK_TTL_PAD_MS,
+    RatePart,
+    RedisClient,
+    ScriptCall,
+    translate_errors,
+)
 from celery_claims.claims.keys import DEFAULT_PREFIX, QueueKeys, require_prefix
 from celery_claims.claims.scripts import script_source
 from celery_claims.clock import Clock
@@ -37,11 +42,6 @@ from celery_claims.validation import require_id
 __all__ = ["CALLER_CLOCK_TTL_PAD_MS", "RedisRateLimiter"]
 
 _T = TypeVar("_T")
-
-#: Ms added to each key's TTL when the caller sends its own clock (``clock=``). A TTL runs on
-#: the server's real time, which a caller's clock need not follow (a test's manual clock
-#: stands still): a key kept too long changes no answer, one gone too soon lets a start early.
-CALLER_CLOCK_TTL_PAD_MS = 3_600_000
 
 #: Scopes whose key names a limiter keeps built (a worker has a handful of queues).
 _SCOPES_CACHED = 1024
@@ -134,6 +134,22 @@ class RedisRateLimiter:
             args += [limit.rate.count, limit.rate.period_ms]
             names.append(limit.name)
         return ScriptCall(self.script, keys, args, partial(rate_result, names=names))
+
+    def claim_part(self, scope: str, limits: Sequence[Limit]) -> RatePart:
+        """The check of :meth:`acquire`, to go in a claim's own call
+        (``RedisClaimManager.claim_call(..., rate=...)``, ``claim_rated.lua``): counted once
+        the claim is granted, by the claim store's clock, and read as a :data:`RateResult`.
+
+        Raises:
+            InvalidArgument: as :meth:`acquire`.
+        """
+        keys = self.keys(scope, limits)
+        args: list[Any] = []
+        names = []
+        for limit in limits:
+            args += [limit.rate.count, limit.rate.period_ms]
+            names.append(limit.name)
+        return RatePart(keys, args, partial(rate_result, names=names))
 
     def execute(self, call: ScriptCall[_T]) -> _T:
         """Send ``call``, wait for its reply and decode it (one round trip).

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import re
 from importlib import resources
+from typing import Any
 
 import pytest
 import redis
 
+from celery_claims.claims.calls import RatedClaim
 from celery_claims.claims.keys import QueueKeys
+from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.claims.scripts import _preamble, script_source, with_preamble
-from celery_claims.errors import BackendError
+from celery_claims.errors import BackendError, InvalidArgument
+from celery_claims.model import AlreadyClaimed, AlreadyDone, Success
 from celery_claims.rates import Limit, Rate, RateAllowed, RateLimited, RedisRateLimiter
 from celery_claims.rates.redis import rate_result
+from celery_claims.testing import ManualClock
 from tests.servers import RedisClusterNodes
 
 EVERY_SECOND = [Limit("task:send", Rate(1, 1_000))]
@@ -135,3 +140,77 @@ def test_the_rate_functions_fold_into_the_claim_script_on_one_slot(
     # claims and rates in one script call, on one slot
     assert [first[0], copy[0], second[0]] == [1, 2, 1]
     assert third == [9, 61_001, 59_999, 1]
+
+
+def _script_calls(client: redis.Redis) -> int:
+    stats = client.info("commandstats")
+    return sum(
+        int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval")
+    )
+
+
+def test_a_rated_claim_counts_its_start_in_its_own_call_and_only_when_granted(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    # Given a claim store on a manual clock and a rate of one start a minute
+    clock = ManualClock(1_000)
+    manager = RedisClaimManager(client=redis_client, prefix=key_prefix, clock=clock)
+    limiter = RedisRateLimiter(client=redis_client, prefix=key_prefix, clock=clock)
+    limits = [Limit("task:send", Rate(1, 60_000))]
+    part = limiter.claim_part("rates", limits)
+
+    def claim(task: str, owner: str) -> Any:
+        return manager.execute(manager.claim_call("emails", task, owner, 600_000, rate=part))
+
+    # the queue's registration (once per process) and the script's loading are calls of
+    # their own, once
+    redis_client.script_load(manager.scripts["claim_rated"].script)
+    manager.claim_call("emails", "t0", "w0", 1)
+    redis_client.config_resetstat()
+
+    # When a task is claimed, a copy of it comes (held by the claim), and another task
+    first = claim("t1", "w1")
+    copy = claim("t1", "w2")
+    clock.advance(1)
+    second = claim("t2", "w1")
+
+    # Then one script call each: the first claim counted its start, the held copy counted
+    # none, and the second is claimed and told how long to wait for its start
+    assert _script_calls(redis_client) == 3
+    assert isinstance(first, RatedClaim)
+    assert isinstance(first.claim, Success)
+    assert first.rate == RateAllowed(1_000, (61_000,))
+    assert isinstance(copy, AlreadyClaimed)
+    assert isinstance(second, RatedClaim)
+    assert second.rate == RateLimited(1_001, 59_999, "task:send")
+    assert manager.is_claimed("emails", "t2") == ("w1", 601_001)
+    # and the rate's state is the one rate.lua keeps: asked alone, it says the same
+    assert limiter.acquire("rates", limits) == RateLimited(1_001, 59_999, "task:send")
+
+
+def test_a_done_or_given_up_task_counts_no_start(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    clock = ManualClock(1_000)
+    manager = RedisClaimManager(client=redis_client, prefix=key_prefix, clock=clock)
+    limiter = RedisRateLimiter(client=redis_client, prefix=key_prefix, clock=clock)
+    limits = [Limit("task:send", Rate(1, 60_000))]
+    token = manager.claim("emails", "t1", "w1", 600_000).token
+    assert token is not None
+    manager.complete(token, 600_000)
+    call = manager.claim_call("emails", "t1", "w2", 600_000, rate=limiter.claim_part("r", limits))
+    assert isinstance(manager.execute(call), AlreadyDone)
+    assert limiter.acquire("r", limits).allowed
+
+
+@pytest.mark.cluster
+def test_on_a_cluster_a_claim_does_not_take_rates_from_another_slot(
+    redis_cluster: RedisClusterNodes, key_prefix: str
+) -> None:
+    client = redis_cluster.client()
+    manager = RedisClaimManager(client=client, prefix=key_prefix)
+    limiter = RedisRateLimiter(client=client, prefix=key_prefix)
+    part = limiter.claim_part("rates", EVERY_SECOND)
+    assert not manager.folds_rates
+    with pytest.raises(InvalidArgument, match="call of their own"):
+        manager.claim_call("emails", "t1", "w1", 1_000, rate=part)

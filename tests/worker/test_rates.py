@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis
+from kombu import Connection
 
 from tests.cli.conftest import json_of, run_cli
 from tests.cli.test_metrics import scrape, total
@@ -38,12 +39,13 @@ def rates_worker(
     backend: str,
     queue: str,
     env: dict[str, str] | None = None,
+    pool: tuple[str, ...] = ("-P", "prefork", "-c", "2"),
 ) -> Proc:
-    """``celery worker`` on ``tests.worker.apps.rates_app``, prefork ``-c 2``, consuming
-    ``queue`` and ``<queue>-other``, with the short leases of the worker tests."""
+    """``celery worker`` on ``tests.worker.apps.rates_app``, prefork ``-c 2`` (or ``pool``),
+    consuming ``queue`` and ``<queue>-other``, with the short leases of the worker tests."""
     args = [
         "-A", "tests.worker.apps.rates_app", "worker",
-        "-P", "prefork", "-c", "2", "-n", f"{name}@%h", "-l", "INFO",
+        *pool, "-n", f"{name}@%h", "-l", "INFO",
         "-Q", f"{queue},{queue}-other",
         "--without-mingle", "--without-gossip", "--without-heartbeat",
         "--claims-lease-ms", str(LEASE_MS),
@@ -415,8 +417,8 @@ def test_stats_list_and_inspect_say_which_rate_holds_a_waiting_copy(
     assert "WAITING for rate task:rates.tick (claimed, not running yet)" in inspected, inspected
     assert "waiting for rate task:rates.tick (used up)" in inspected
     # and the worker's exporter counts them, and its checks: the allowance of the first copy,
-    # which said when the next start may go, and at most one refusal (a copy that came after
-    # the first had gone asks once); none since: nothing polls
+    # which said when the next start may go, and a refusal for each other copy, each asked in
+    # its claim's own call (claim_rated.lua), and at most one more; none since: nothing polls
     waiting = {
         dict(labels)["rate"]: value
         for (name, labels), value in scraped.items()
@@ -424,7 +426,7 @@ def test_stats_list_and_inspect_say_which_rate_holds_a_waiting_copy(
     }
     assert waiting == {"task:rates.tick": 3}
     assert total([scraped], "celery_claims_worker_rate_checks_total", outcome="allowed") == 1
-    assert total([scraped], "celery_claims_worker_rate_checks_total", outcome="limited") <= 1
+    assert total([scraped], "celery_claims_worker_rate_checks_total", outcome="limited") <= 4
 
 
 @pytest.mark.timeout(60)
@@ -465,3 +467,59 @@ def test_a_lost_broker_connection_releases_the_claims_of_copies_waiting_for_thei
     assert [e["id"] for e in _starts(backend, queue, "rates.tick")] == [
         next(f"w-{i}" for i in range(4) if f"w-{i}" not in waiting)
     ]
+
+
+#: A backlog far longer than any worker's prefetch window, of a task whose rate lets one
+#: start an hour: everything after the first waits for the whole test.
+BACKLOG = 500
+
+
+def _ready(broker: str, queue: str) -> int:
+    """The messages of ``queue`` still in the broker, not delivered to any worker."""
+    if broker.startswith("redis"):
+        with contextlib.closing(redis.Redis.from_url(broker)) as client:
+            return int(client.llen(queue))
+    with Connection(broker) as conn:
+        return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "pool", [("-P", "prefork", "-c", "2"), ("-P", "solo", "-c", "1")], ids=["prefork", "solo"]
+)
+def test_a_backlog_over_its_rate_waits_within_the_prefetch_window_and_other_queues_flow(
+    request: pytest.FixtureRequest,
+    broker: str,
+    fleet: Fleet,
+    private_redis: RedisServer,
+    pool: tuple[str, ...],
+) -> None:
+    # Given one worker consuming two queues, and a task of the first at "1/h"
+    backend = private_redis.url
+    queue = unique("q")
+    if hasattr(request.node, "rabbitmq_queues"):
+        request.node.rabbitmq_queues.extend([queue, f"{queue}-other"])
+    env = {"CLAIMS_TEST_RATE": "1/h"}
+    proc = rates_worker(fleet, "a", broker=broker, backend=backend, queue=queue, env=env, pool=pool)
+    proc.wait_ready()
+    window = 4 * (2 if "prefork" in pool else 1)  # worker_prefetch_multiplier x concurrency
+    client = fleet.client(broker, backend, queue)
+
+    # When a backlog of 500 of them is sent, and a task of the other queue once they wait
+    for i in range(BACKLOG):
+        client.send_task("rates.tick", task_id=f"tick-{i}")
+    wait_for(
+        lambda: len({e["id"] for e in _log(backend, queue) if e["event"] == "held"}) >= window,
+        timeout=30,
+        what="a window of copies waiting for their rate",
+    )
+    other = client.send_task("rates.other", queue=f"{queue}-other", task_id="other")
+
+    # Then the other queue's task runs without waiting for the backlog (an hour), and the
+    # worker keeps no more than three times its prefetch window of the backlog (two close
+    # the queue, a window's slots may be on their way): the rest stays in the broker
+    other.get(timeout=30)
+    waited = {e["id"] for e in _log(backend, queue) if e["event"] == "held"}
+    assert len(_starts(backend, queue, "rates.tick")) == 1
+    assert len(waited) <= 3 * window, len(waited)
+    assert _ready(broker, queue) >= BACKLOG - 1 - 3 * window

@@ -32,10 +32,11 @@ from typing import Any
 
 from celery.utils.log import get_logger
 
-from celery_claims.claims.calls import ScriptCall
+from celery_claims.claims.calls import RatedClaim, ScriptCall
 from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument, KeyRefused
 from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
+from celery_claims.rates import Limit
 from celery_claims.worker.compat import (
     RequestHooks,
     fleet_rate_limits,
@@ -224,7 +225,14 @@ class ClaimGate:
         return lease
 
     def _claim_call(
-        self, queue_id: str, task_key: str, owner: str, lease_ms: int, *, keyed: bool = False
+        self,
+        queue_id: str,
+        task_key: str,
+        owner: str,
+        lease_ms: int,
+        *,
+        keyed: bool = False,
+        limits: tuple[Limit, ...] = (),
     ) -> ScriptCall[Any]:
         return self.runtime.manager.claim_call(
             queue_id,
@@ -235,6 +243,8 @@ class ClaimGate:
             # a key's takeovers are those of several tasks: none of them is poison by that
             max_takeovers=None if keyed else self.settings.max_takeovers,
             given_up_ttl_ms=self.settings.done_ttl_ms,
+            # a rated copy's first rate check goes in its claim's call (not on a Cluster)
+            rate=self.life.rates.claim_part(limits),
         )
 
     # --- claims riding kombu's delivery transaction -----------------------------------------
@@ -276,7 +286,8 @@ class ClaimGate:
                 return None  # and a rate's key
             task_key = claim_task_id(task_id, attempt_of(headers))
             owner = new_owner(self.runtime.hostname)
-            call = self._claim_call(queue_id, task_key, owner, lease_ms)
+            limits = self.life.rates.unkeyed_limits(task, name, queue_id)
+            call = self._claim_call(queue_id, task_key, owner, lease_ms, limits=limits)
             pre = _Preclaim(owner, queue_id, task_key, lease_ms, call)
         except Exception:
             return None  # the gate claims it on its own (or reports what is wrong)
@@ -312,6 +323,7 @@ class ClaimGate:
                 copy.owner,
                 copy.lease_ms,
                 keyed=copy.key is not None,
+                limits=copy.rate_limits,
             )
             pipe = self.pipe()
             if pipe is not None:
@@ -355,6 +367,9 @@ class ClaimGate:
         self._settle(copy, outcome)
 
     def _release_unused(self, outcome: Any) -> None:
+        if isinstance(outcome, RatedClaim):
+            # a start its rates counted goes unused: the rate undershoots by one, never over
+            outcome = outcome.claim
         token = getattr(outcome, "token", None)
         if isinstance(outcome, (Success, TookOver)) and token is not None:
             try:
@@ -376,11 +391,15 @@ class ClaimGate:
 
     def _decide(self, copy: Copy, outcome: Any) -> None:
         key = copy.key
+        rate = None
+        if isinstance(outcome, RatedClaim):
+            # the claim is granted, and its call counted the start or said how long to wait
+            outcome, rate = outcome.claim, outcome.rate
         if isinstance(outcome, (Success, TookOver)):
             lanes = self.runtime.lanes
             queue = copy.queue_id if key is None else key.queue
             lane = lanes.lane_of(queue, copy.request.name) if lanes is not None else None
-            self.life.acquired(copy, outcome, lane)
+            self.life.acquired(copy, outcome, lane, rate)
         elif isinstance(outcome, AlreadyDone):
             # a keyed copy finds its own attempt's record, or the key's (claims_key_done_ttl)
             own = key is None or key.is_own(outcome.owner)

@@ -45,8 +45,9 @@ from celery.utils.log import get_logger
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import ClaimError, ClaimTokenError
 from celery_claims.model import ClaimToken, Success, TookOver
+from celery_claims.rates import RateResult
 from celery_claims.worker import signals
-from celery_claims.worker.compat import prefetch_qos, task_ready
+from celery_claims.worker.compat import prefetch_qos, set_queue_consuming, task_ready
 from celery_claims.worker.delivery.ack_on_claim import AckOnClaim
 from celery_claims.worker.delivery.completion import Completion
 from celery_claims.worker.delivery.copy import Copy
@@ -186,7 +187,35 @@ class Lifecycle:
         self.w.waker.attach(self.w.consumer)
         qos, window = prefetch_qos(self.w.consumer)
         if self.w.slots.qos is not qos:
-            self.w.slots.bind(qos, window)
+            self.w.slots.bind(qos, window, self._queue_valve)
+
+    def _queue_valve(self, queue: str, open_: bool) -> None:
+        """Stop or start again taking messages from ``queue`` (slots.py), on the consumer's
+        loop at its next turn: never inside the broker read that delivered a message."""
+        consumer = self.w.consumer
+        if consumer is None:
+            return
+        if open_:
+            logger.info("Taking messages from queue %s again: fewer of them wait for a rate", queue)
+        else:
+            logger.info(
+                "Not taking messages from queue %s for now: two prefetch windows of them wait "
+                "for a rate (the rest stays in the broker; other queues keep flowing)",
+                queue,
+            )
+        self.w.on_loop(consumer.call_soon, self._set_consuming, queue, open_)
+
+    def _set_consuming(self, queue: str, open_: bool) -> None:
+        try:
+            if open_ == (queue not in self.w.slots.closed()):  # else the later call decides
+                set_queue_consuming(self.w.consumer, queue, open_)
+        except Exception:
+            # the connection is failing: a new one consumes every queue again
+            logger.exception("Could not %s queue %s", "resume" if open_ else "pause", queue)
+        finally:
+            # the copies of the queue that wait with their slots taken give them back now:
+            # a raised prefetch count reaches the broker after the cancel, never before
+            self.w.slots.settle(queue)
 
     # --- the gate's outcomes ----------------------------------------------------------------
 
@@ -219,8 +248,17 @@ class Lifecycle:
         self.reg.add(copy)
         return copy
 
-    def acquired(self, copy: Copy, result: Success | TookOver, lane: Lane | None) -> None:
-        """The claim was granted: to the lane (``WAITING``) or the pool (``QUEUED``)."""
+    def acquired(
+        self,
+        copy: Copy,
+        result: Success | TookOver,
+        lane: Lane | None,
+        rate: RateResult | None = None,
+    ) -> None:
+        """The claim was granted: to the lane (``WAITING``) or the pool (``QUEUED``).
+
+        ``rate``: the verdict of the copy's rates, when its claim's call asked them.
+        """
         assert result.token is not None
         took_over = isinstance(result, TookOver)
         copy.token = result.token
@@ -258,7 +296,7 @@ class Lifecycle:
         if copy.rate_limits:
             # its rates first: a copy waiting for its turn to start holds no lane slot
             self.reg.move(copy, State.WAITING)
-            self.rates.admit(copy, copy.rate_limits, lane)
+            self.rates.admit(copy, copy.rate_limits, lane, rate)
         else:
             self._past_rates(copy, lane)
 

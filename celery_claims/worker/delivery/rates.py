@@ -3,10 +3,10 @@ its start, never blocking the worker.
 
 A task's ``claims_rate`` (``"10/s"``; with ``claims_rate_key``, per key of its arguments) and,
 under ``claims_rate_limit_fleetwide``, Celery's own ``rate_limit`` become :class:`Limit` s of
-:mod:`celery_claims.rates`. After the claim is granted and before its lane, a copy with limits
-asks the store (``RedisRateLimiter.acquire_call``, sent on the consumer's pipe, or blocking on
-a kept connection) whether it may start; a refused copy waits outside the pool: claimed,
-unacked, renewed by the keeper, its prefetch slot given back within the prefetch window,
+:mod:`celery_claims.rates`. A copy's claim call asks its limits too once the claim is granted
+(``claim_rated.lua``; on a Redis Cluster a call of its own right after, ``rate.lua``); a
+refused copy waits outside the pool, before its lane: claimed, unacked, renewed by the
+keeper, its prefetch slot given back (a window of them closes their queue: ``slots.py``),
 ``task_held(reason="rate")`` sent, and asked again when the store said its window frees
 (``retry_after_ms``, one consumer timer: no polling). Copies with the same limits form a
 **group** asked one at a time, oldest first (a refusal answers for all of them); groups due at
@@ -27,9 +27,18 @@ from typing import Any
 
 from celery.utils.log import get_logger
 
+from celery_claims.claims.calls import RatePart
 from celery_claims.config import KeyFunction, LaneSpec, parse_key_declaration
 from celery_claims.errors import InvalidArgument
-from celery_claims.rates import Limit, Rate, RateAllowed, RateLimited, RedisRateLimiter, parse_rate
+from celery_claims.rates import (
+    Limit,
+    Rate,
+    RateAllowed,
+    RateLimited,
+    RateResult,
+    RedisRateLimiter,
+    parse_rate,
+)
 from celery_claims.worker import signals
 from celery_claims.worker.compat import set_request_field
 from celery_claims.worker.delivery.copy import Copy
@@ -47,8 +56,9 @@ logger = get_logger("celery_claims.worker")
 RATE_AT_KEY = "claims_rate_at_ms"
 
 #: The scope (hash tag) of every rate's key: one slot, so one call counts a start against a
-#: task's, a key's and a lane's limits at once, whatever queue delivered it. Folding the check
-#: into ``claim.lua`` (docs/rates.md) would move them to the claim queue's slot.
+#: task's, a key's and a lane's limits at once, whatever queue delivered it. A claim's own
+#: call counts it too on a standalone or Sentinel store (``claim_rated.lua``), where a script
+#: may touch any slot; on a Redis Cluster the first check is a call of its own (docs/rates.md).
 RATE_SCOPE = "rates"
 
 
@@ -201,6 +211,26 @@ class WorkerRates:
         lane = self.rated_lane(queue_id, name)
         return (spec is not None and spec.keyed) or (lane is not None and lane.rate_keyed)
 
+    def unkeyed_limits(self, task: Any, name: str, queue_id: str) -> tuple[Limit, ...]:
+        """:meth:`limits_for` a message of ``task`` whose limits need no key (see
+        :meth:`needs_arguments`): made from its name and queue alone, before it is decoded."""
+        limits: list[Limit] = []
+        spec = self.spec_of(task, name)
+        if spec is not None:
+            limits.append(Limit(spec.limit_name(""), spec.rate))
+        lane = self.rated_lane(queue_id, name)
+        if lane is not None and lane.rate is not None:
+            limits.append(Limit(f"lane:{lane.name}", lane.rate))
+        return tuple(limits)
+
+    def claim_part(self, limits: Sequence[Limit]) -> RatePart | None:
+        """The check of ``limits`` to send in the copy's claim call, or None: no limits, or
+        a Redis Cluster store (the rates' keys are in a slot of their own there, so a
+        claimed copy asks them in a call of its own, :meth:`admit`)."""
+        if not limits or not self.w.manager.folds_rates:
+            return None
+        return self.limiter.claim_part(RATE_SCOPE, limits)
+
     def limits_for(self, request: Any, queue_id: str) -> tuple[Limit, ...]:
         """The limits a message of ``request`` delivered from ``queue_id`` must pass before
         its lane or the pool (empty: none): its task's rate (per key with
@@ -239,8 +269,15 @@ class WorkerRates:
 
     # --- waiting (event loop) ------------------------------------------------------------
 
-    def admit(self, copy: Copy, limits: Sequence[Limit], lane: Any) -> None:
-        """Queue a claimed copy (``WAITING``) on its limits; its group is asked now if due."""
+    def admit(
+        self, copy: Copy, limits: Sequence[Limit], lane: Any, verdict: RateResult | None = None
+    ) -> None:
+        """Queue a claimed copy (``WAITING``) on its limits; its group is asked now if due.
+
+        ``verdict``: its claim's call asked its limits already (``claim_rated.lua``): an
+        allowed start goes to the group's oldest copy (this one, unless older copies wait
+        for the same limits), a refusal holds the group until the window frees.
+        """
         names = tuple(limit.name for limit in limits)
         group = self._groups.get(names)
         if group is None:
@@ -252,6 +289,9 @@ class WorkerRates:
         self._lanes[copy] = lane
         self._named[copy] = limits[0].name
         group.waiting.append((copy, wait))
+        if verdict is not None:
+            self._counted(group, copy, verdict)
+            return
         now = time.monotonic()
         if not group.asking and not group.queued and group.due_at <= now:
             self._ask(group)
@@ -296,6 +336,29 @@ class WorkerRates:
                 outcome = exc
             self._answered(group, outcome)
 
+    def _counted(self, group: _Group, copy: Copy, verdict: RateResult) -> None:
+        """The verdict of ``copy``'s limits, asked in its claim's own call."""
+        if not group.asking:
+            # the start was counted for the group: its oldest copy takes it
+            self._answered(group, verdict)
+            return
+        # the group's head is being asked: this copy's own verdict decides it alone
+        if isinstance(verdict, RateAllowed):
+            group.waiting.pop()  # it was just appended
+            self.w.counters.incr("rate_allowed")
+            self._let_go(copy, verdict)
+            return
+        self.w.counters.incr("rate_limited")
+        self._hold(group, verdict.limit, verdict.retry_after_ms)
+
+    def _let_go(self, copy: Copy, verdict: RateAllowed) -> None:
+        """``copy``'s start was counted: to its lane or the pool."""
+        # when the store let it start, by the store's clock: task code can read it
+        set_request_field(copy.request, RATE_AT_KEY, verdict.at_ms)
+        lane = self._lanes.get(copy)
+        self._forget(copy)
+        self._grant(copy, lane)
+
     def _answered(self, group: _Group, outcome: Any) -> None:
         group.asking = False
         if self.closing:
@@ -308,10 +371,6 @@ class WorkerRates:
         if isinstance(outcome, RateAllowed):
             group.errors = 0
             group.waiting.popleft()
-            # when the store let it start, by the store's clock: task code can read it
-            set_request_field(head.request, RATE_AT_KEY, outcome.at_ms)
-            lane = self._lanes.get(head)
-            self._forget(head)
             next_at = max(outcome.next_at_ms, default=outcome.at_ms)
             next_ms = next_at - outcome.at_ms
             group.due_at = now + next_ms / 1000
@@ -326,7 +385,7 @@ class WorkerRates:
                     # the store said when the next start may go: the rest wait until then
                     self._hold(group, longest, next_ms)
                 self._queue(group)
-            self._grant(head, lane)
+            self._let_go(head, outcome)
             return
         if isinstance(outcome, RateLimited):
             group.errors = 0
@@ -379,9 +438,11 @@ class WorkerRates:
             if copy.state is not State.WAITING:
                 continue
             copy.hold_reason = "rate"
-            # within the prefetch window, as held copies: the rest of the queue keeps flowing
-            # without this worker pulling the whole backlog of a limited task into memory
-            self.w.slots.give_back(copy)
+            # its slot back, so that the worker's other queues keep flowing; a window of
+            # waiting copies closes their queue, so that the worker does not pull a limited
+            # task's whole backlog into memory (slots.py)
+            key = copy.key
+            self.w.slots.wait_for_rate(copy, copy.queue_id if key is None else key.queue)
             self.w.counters.incr("rate_held")
             request = copy.request
             logger.info(
