@@ -12,6 +12,9 @@ from celery import Celery
 from celery_claims.lanes import TaskClaimCandidate, TaskLaneConfig
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.worker.delivery.lane_tickets import TICKET_GRACE_LEASES
+from celery_claims.worker.delivery.lanes import WorkerLanes, WorkerLaneView
+from celery_claims.worker.settings import load_settings
+from celery_claims.worker.signals import Counters
 from tests.servers import RedisServer
 from tests.worker.helpers import (
     LEASE_MS,
@@ -163,3 +166,22 @@ def test_the_cleanup_task_purges_a_gone_workers_ticket(
     # Then the gone worker's ticket is purged, the fresh one kept
     assert store.get_task(ticket) is None
     assert store.get_task(99) == live
+
+
+def test_a_workers_view_of_its_lane_counts_the_fleets_live_slots(
+    lane_app: Celery, store: RedisTaskClaimStore
+) -> None:
+    # Given a worker's lanes, and a gone worker's ticket whose lease is still live (lane full)
+    lanes = WorkerLanes(load_settings(lane_app), store, Counters())
+    view = WorkerLaneView(lanes, lanes.lanes["exports"])
+    now = datetime.now(timezone.utc)
+    store.enqueue(4343, "exports", next_run_at=now - timedelta(seconds=1))
+    store.claim_candidates_for_lane(
+        EXPORTS, [TaskClaimCandidate(0, 4343, 0, 1)], now, now, now + timedelta(minutes=1)
+    )
+
+    # When the generic algorithm asks the view how many of the lane's tasks are active
+    active = view.count_active_processing_by_kinds(now, EXPORTS.kinds)
+
+    # Then it answers what the shared store holds (the lane protocol's count), not 0
+    assert active == store.count_active_processing_by_kinds(now, EXPORTS.kinds) == 1
