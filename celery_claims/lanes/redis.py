@@ -36,7 +36,7 @@ from celery_claims.errors import (
 )
 from celery_claims.lanes import _validate as check
 from celery_claims.lanes.dispatch import Clock, utc_now
-from celery_claims.lanes.keys import LaneKeys, check_prefix, member, task_index_key
+from celery_claims.lanes.keys import LaneKeys, member, task_index_key
 from celery_claims.lanes.model import (
     MAX_TASK_ID,
     ClaimedTask,
@@ -47,6 +47,7 @@ from celery_claims.lanes.model import (
     TaskStatus,
     raise_for_status,
 )
+from celery_claims.validation import require_prefix
 
 __all__ = ["DEFAULT_PREFIX", "RedisTaskClaimStore"]
 
@@ -175,7 +176,7 @@ class RedisTaskClaimStore:
         if (url is None) == (client is None):
             raise InvalidValueError("pass exactly one of url= and client=")
         self._lanes: check.LaneRegistry[str, Any] = check.LaneRegistry(lanes, str_kinds=True)
-        self.prefix = check_prefix(prefix)
+        self.prefix = require_prefix(prefix, error=InvalidValueError)
         self._clock = clock
         self._owns_client = client is None
         if client is None:
