@@ -53,7 +53,7 @@ class InvalidArgument(ClaimError, ValueError):
         self.name = name
 
     @classmethod
-    def of(cls, name: str, message: str) -> InvalidArgument:
+    def about(cls, name: str, message: str) -> InvalidArgument:
         """The error for argument ``name`` and what is wrong with it (the shared checks of
         :mod:`celery_claims.validation` raise through this, so each API words it its way)."""
         return cls(name, message)
@@ -173,7 +173,7 @@ class InvalidValueError(TaskCoreError, InvalidArgument):
         self.name = name
 
     @classmethod
-    def of(cls, name: str, message: str) -> InvalidValueError:
+    def about(cls, name: str, message: str) -> InvalidValueError:
         """The error for argument ``name``: ``<name> <message>``."""
         return cls(f"{name} {message}", name=name)
 

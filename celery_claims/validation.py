@@ -1,7 +1,7 @@
 """Argument checks shared by every backend, claims and lanes alike; they run before any
 state is touched.
 
-Each check raises ``error.of(name, what is wrong)``: :class:`InvalidArgument` by default
+Each check raises ``error.about(name, what is wrong)``: :class:`InvalidArgument` by default
 (``lease_ms: must be ...``), :class:`~celery_claims.errors.InvalidValueError` for the lanes
 (``lease_ms must be ...``, the Rust ``TaskClaimStore``'s wording), one class either way.
 """
@@ -65,9 +65,9 @@ def require_int(
     """Return ``value`` if it is an ``int`` in ``minimum .. maximum``, else raise ``error``."""
     # bool is an int subclass: ``lease_ms=True`` is a bug, never one millisecond.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise error.of(name, f"must be an int, got {type(value).__name__}")
+        raise error.about(name, f"must be an int, got {type(value).__name__}")
     if not minimum <= value <= maximum:
-        raise error.of(name, f"must be between {minimum} and {_shown(maximum)}, got {value}")
+        raise error.about(name, f"must be between {minimum} and {_shown(maximum)}, got {value}")
     return value
 
 
@@ -92,17 +92,17 @@ def require_text(
     both everywhere keeps the stores interchangeable.
     """
     if not isinstance(value, str):
-        raise error.of(name, f"must be a str, got {type(value).__name__}")
+        raise error.about(name, f"must be a str, got {type(value).__name__}")
     if not value and not empty:
-        raise error.of(name, "must not be empty")
+        raise error.about(name, "must not be empty")
     if "\x00" in value:
-        raise error.of(name, "must not contain NUL characters")
+        raise error.about(name, "must not contain NUL characters")
     try:
         size = len(value.encode("utf-8"))
     except UnicodeEncodeError:
-        raise error.of(name, "must be valid UTF-8 text (no lone surrogates)") from None
+        raise error.about(name, "must be valid UTF-8 text (no lone surrogates)") from None
     if max_bytes is not None and size > max_bytes:
-        raise error.of(name, f"is {size} bytes long; the limit is {max_bytes}")
+        raise error.about(name, f"is {size} bytes long; the limit is {max_bytes}")
     return value
 
 
@@ -115,9 +115,9 @@ def require_prefix(prefix: object, *, error: Error = InvalidArgument) -> str:
     """Return ``prefix`` if it is a key prefix: a non-empty str that cannot open or close a
     hash tag."""
     if not isinstance(prefix, str) or not prefix:
-        raise error.of("prefix", f"must be a non-empty str, got {prefix!r:.80}")
+        raise error.about("prefix", f"must be a non-empty str, got {prefix!r:.80}")
     if "{" in prefix or "}" in prefix:
-        raise error.of("prefix", "must not contain braces, '{' or '}' (they move hash slots)")
+        raise error.about("prefix", "must not contain braces, '{' or '}' (they move hash slots)")
     return prefix
 
 
@@ -129,9 +129,9 @@ def require_ms(name: str, value: Any, *, maximum: int = MAX_LEASE_MS) -> int:
 def require_utc(name: str, value: object, *, error: Error = InvalidArgument) -> datetime:
     """Return ``value`` in UTC if it is a timezone-aware datetime."""
     if not isinstance(value, datetime):
-        raise error.of(name, f"must be a datetime, got {value!r:.80}")
+        raise error.about(name, f"must be a datetime, got {value!r:.80}")
     if value.tzinfo is None or value.utcoffset() is None:
-        raise error.of(name, f"must be timezone-aware, got naive {value!r}")
+        raise error.about(name, f"must be timezone-aware, got naive {value!r}")
     return value.astimezone(timezone.utc)
 
 
@@ -140,7 +140,7 @@ def require_sequence(
 ) -> tuple[Any, ...]:
     """Return ``value`` as a tuple if it is a sequence (a bare string is refused)."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise error.of(name, f"must be a sequence of {of}, got {value!r:.80}")
+        raise error.about(name, f"must be a sequence of {of}, got {value!r:.80}")
     return tuple(value)
 
 

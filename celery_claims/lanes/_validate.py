@@ -68,7 +68,7 @@ def name(what: str, value: object) -> str:
     """Check a name stored by the Redis or SQL store: a non-empty ``str`` of bounded length."""
     checked = require_text(what, value, error=InvalidValueError)
     if len(checked) > MAX_NAME_LENGTH:
-        raise InvalidValueError.of(what, f"must be at most {MAX_NAME_LENGTH} characters")
+        raise InvalidValueError.about(what, f"must be at most {MAX_NAME_LENGTH} characters")
     return checked
 
 
