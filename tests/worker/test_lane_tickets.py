@@ -11,8 +11,8 @@ from celery import Celery
 
 from celery_claims.lanes import TaskClaimCandidate, TaskLaneConfig
 from celery_claims.lanes.redis import RedisTaskClaimStore
-from celery_claims.worker.delivery.lane_tickets import TICKET_GRACE_LEASES
-from celery_claims.worker.delivery.lanes import WorkerLanes, WorkerLaneView
+from celery_claims.worker.delivery.lane_tickets import TICKET_GRACE_LEASES, WorkerLaneView
+from celery_claims.worker.delivery.lanes import WorkerLanes
 from celery_claims.worker.settings import load_settings
 from celery_claims.worker.signals import Counters
 from tests.servers import RedisServer
@@ -173,7 +173,7 @@ def test_a_workers_view_of_its_lane_counts_the_fleets_live_slots(
 ) -> None:
     # Given a worker's lanes, and a gone worker's ticket whose lease is still live (lane full)
     lanes = WorkerLanes(load_settings(lane_app), store, Counters())
-    view = WorkerLaneView(lanes, lanes.lanes["exports"])
+    view = WorkerLaneView(lanes, lanes.lanes["exports"], lanes.candidates)
     now = datetime.now(timezone.utc)
     store.enqueue(4343, "exports", next_run_at=now - timedelta(seconds=1))
     store.claim_candidates_for_lane(

@@ -1,17 +1,28 @@
-"""Lane tickets: the lane-store records a worker claims to hold a lane's slots.
+"""The worker's one boundary with the lane store: lane tickets, times, and the view.
 
-A worker makes a ticket when a lane's waiting message needs one, keeps it for reuse, renews
-the tickets of running tasks (:meth:`LaneTickets.heartbeat`), and purges the tickets nobody
-claimed, gave back or renewed for :data:`TICKET_GRACE_LEASES` lane leases (a worker gone).
+A worker's messages have string task ids and its times are milliseconds and
+``time.monotonic()``; the lane store (:mod:`celery_claims.lanes`) wants int ids and UTC
+datetimes. Every call the worker makes to the lane store, and every conversion between the
+two, is here:
+
+- a **ticket** is the int-id record of the lane store a message claims to hold one slot; a
+  worker makes one when a waiting message needs it, keeps it for reuse, renews those of
+  running tasks (:meth:`LaneTickets.heartbeat`), hands them back (:meth:`LaneTickets.hand_back`)
+  and purges those nobody claimed, gave back or renewed for :data:`TICKET_GRACE_LEASES` lane
+  leases (a worker gone);
+- times: :func:`lane_lease_secs` (the claim lease as a lane lease) and :func:`claimable_now`;
+- :class:`WorkerLaneView`, the :class:`~celery_claims.lanes.TaskClaimStore` the generic
+  algorithm runs over for one lane.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 import time
-from collections.abc import Sequence
-from datetime import timedelta
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery.utils.log import get_logger
@@ -20,11 +31,23 @@ from celery_claims.errors import InvalidValueError, LeaseLost, TaskCoreError, Ta
 from celery_claims.lanes.dispatch import utc_now
 from celery_claims.lanes.model import (
     MAX_TASK_ID,
+    ClaimedTask,
+    TaskClaimCandidate,
+    TaskLaneConfig,
+    TaskRecord,
+    TaskStatus,
 )
 from celery_claims.lanes.redis import RedisTaskClaimStore
-from celery_claims.worker.delivery.lane_model import Lane, LaneSlot, Ticket
+from celery_claims.worker.delivery.lane_model import Lane, LaneSlot, LaneWaiter, Ticket
 
-__all__ = ["TICKET_GRACE_LEASES", "TICKET_PURGE_LIMIT", "LaneTickets"]
+__all__ = [
+    "TICKET_GRACE_LEASES",
+    "TICKET_PURGE_LIMIT",
+    "LaneTickets",
+    "WorkerLaneView",
+    "claimable_now",
+    "lane_lease_secs",
+]
 
 logger = get_logger("celery_claims.worker")
 
@@ -39,6 +62,17 @@ TICKET_GRACE_LEASES = 5
 
 #: The most tickets of one lane one purge by a worker removes (the next one goes on).
 TICKET_PURGE_LIMIT = 1000
+
+
+def lane_lease_secs(lease_ms: int) -> int:
+    """The lane lease of a worker whose claim lease is ``lease_ms``: whole seconds (the lane
+    algorithm's unit), at least the claim lease."""
+    return max(1, math.ceil(lease_ms / 1000))
+
+
+def claimable_now() -> datetime:
+    """A ``next_run_at`` that every clock reading takes as passed: a second ago."""
+    return utc_now() - timedelta(seconds=1)
 
 
 class LaneTickets:
@@ -63,15 +97,27 @@ class LaneTickets:
         for _ in range(_ID_ATTEMPTS):
             ticket_id = secrets.randbelow(MAX_TASK_ID) + 1
             try:
-                # due a second ago: claimable by the pass that follows, on any clock reading
-                self.store.enqueue(
-                    ticket_id, lane.kind, next_run_at=utc_now() - timedelta(seconds=1)
-                )
+                self.store.enqueue(ticket_id, lane.kind, next_run_at=claimable_now())
             except InvalidValueError:
                 continue  # the id is taken (astronomically unlikely): draw another
             self.counters.incr("lane_tickets")
             return Ticket(ticket_id, 0)
         raise InvalidValueError(f"lane {lane.name!r}: no free ticket id after {_ID_ATTEMPTS} draws")
+
+    def hand_back(self, slot: LaneSlot) -> bool:
+        """Free a running task's slot in the store (one round trip); False if its ticket is
+        lost (claimed by someone else, its store data lost, or purged: this worker stalled
+        past the grace): forget it, its slot is free either way."""
+        ticket = slot.ticket
+        try:
+            self.store.retry(ticket.id, ticket.token, next_run_at=claimable_now())
+        except (LeaseLost, TaskNotFound):
+            logger.warning("Lane %s: ticket %d was lost", slot.lane.name, ticket.id)
+            return False
+        except TaskCoreError as exc:
+            # its lease is no longer renewed and expires by itself; the ticket stays usable
+            logger.warning("Lane %s: could not free a slot now (%s)", slot.lane.name, exc)
+        return True
 
     def give_back(self, lane: Lane, ticket: Ticket) -> None:
         """Return an unclaimed ticket to the free list."""
@@ -141,3 +187,67 @@ class LaneTickets:
             elif isinstance(error, (LeaseLost, TaskNotFound)):
                 self.counters.incr("lane_lease_lost")
                 logger.warning("Lane %s: a running task's slot lease was lost", slot.lane.name)
+
+
+class WorkerLaneView:
+    """The ``TaskClaimStore`` one worker runs the generic algorithm over, for one lane.
+
+    Lists this worker's own waiting messages (as their tickets' records, oldest first, chosen
+    by ``candidates``); counts and claims in the shared store, whose claim script recounts
+    the lane atomically (see :mod:`celery_claims.worker.delivery.lanes`).
+    """
+
+    def __init__(
+        self,
+        tickets: LaneTickets,
+        lane: Lane,
+        candidates: Callable[[Lane, int], list[LaneWaiter]],
+    ) -> None:
+        self.tickets = tickets
+        self.lane = lane
+        self.candidates = candidates
+        #: the key of each listed ticket (a keyed lane's claim sends them with the candidates)
+        self.ticket_keys: dict[int, str] = {}
+
+    def list_claimable_by_kinds(
+        self, now: datetime, stale_before: datetime, kinds: Sequence[str], limit: int
+    ) -> list[TaskRecord[str]]:
+        """The tickets of the first ``limit`` waiting messages (tickets made as needed); in a
+        keyed lane, of the first ``limit`` taking at most ``limit_per_key`` of each key."""
+        records: list[TaskRecord[str]] = []
+        for waiter in self.candidates(self.lane, limit):
+            if waiter.ticket is None:
+                waiter.ticket = self.tickets.take_ticket(self.lane)
+            ticket = waiter.ticket
+            self.ticket_keys[ticket.id] = waiter.key
+            records.append(
+                TaskRecord(ticket.id, self.lane.kind, TaskStatus.PENDING, ticket.token, now)
+            )
+        return records
+
+    def count_active_processing_by_kinds(self, now: datetime, kinds: Sequence[str]) -> int:
+        """The lane's live leases in the shared store, fleet-wide (one round trip)."""
+        return self.tickets.store.count_active_processing_by_kinds(now, kinds)
+
+    def claim_candidates_for_lane(
+        self,
+        lane_config: TaskLaneConfig[str, str],
+        candidates: Sequence[TaskClaimCandidate],
+        stale_before: datetime,
+        claimed_at: datetime,
+        lease_expires_at: datetime,
+    ) -> list[ClaimedTask]:
+        """Claim in the shared store: one script, one round trip (per-key limit included)."""
+        if not self.lane.spec.keyed:
+            return self.tickets.store.claim_candidates_for_lane(
+                lane_config, candidates, stale_before, claimed_at, lease_expires_at
+            )
+        return self.tickets.store.claim_candidates_for_lane(
+            lane_config,
+            candidates,
+            stale_before,
+            claimed_at,
+            lease_expires_at,
+            keys=[self.ticket_keys[c.task_id] for c in candidates],
+            limit_per_key=self.lane.spec.limit_per_key,
+        )
