@@ -7,7 +7,7 @@ raises :class:`~celery_claims.errors.InvalidValueError` and leaves the store unt
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Generic
 
@@ -19,8 +19,13 @@ from celery_claims.lanes.model import (
     Lane,
     TaskClaimCandidate,
     TaskLaneConfig,
+    TaskRecord,
+    TaskStatus,
 )
 from celery_claims.validation import require_int, require_sequence, require_text, require_utc
+
+#: A clock: the current time as a timezone-aware datetime (see ``lanes.dispatch.Clock``).
+Clock = Callable[[], datetime]
 
 #: Longest kind or lane key the shipped stores accept (the SQL column width).
 MAX_NAME_LENGTH = 255
@@ -46,6 +51,12 @@ def token(value: object, name: str = "processing_token") -> int:
     return non_negative_int(name, value, MAX_PROCESSING_TOKEN)
 
 
+def attempt(task: object, processing_token: object) -> None:
+    """Check the task id and token naming one processing attempt."""
+    task_id(task)
+    token(processing_token)
+
+
 def text(what: str, value: object) -> str:
     """Check text every store can keep (see :func:`~celery_claims.validation.require_text`)."""
     return require_text(what, value, empty=True, error=InvalidValueError)
@@ -66,10 +77,11 @@ def kinds(value: object) -> tuple[Any, ...]:
 
 def name(what: str, value: object) -> str:
     """Check a name stored by the Redis or SQL store: a non-empty ``str`` of bounded length."""
-    checked = require_text(what, value, error=InvalidValueError)
-    if len(checked) > MAX_NAME_LENGTH:
+    if not isinstance(value, str) or not value:
+        raise InvalidValueError.about(what, f"must be a non-empty str, got {value!r:.80}")
+    if len(value) > MAX_NAME_LENGTH:
         raise InvalidValueError.about(what, f"must be at most {MAX_NAME_LENGTH} characters")
-    return checked
+    return text(what, value)
 
 
 def candidates(value: object) -> tuple[TaskClaimCandidate, ...]:
@@ -178,6 +190,17 @@ class LaneRegistry(Generic[Kind, Lane]):
             return self.lane_of_kind[kind]  # type: ignore[index]
         except (KeyError, TypeError):
             raise InvalidValueError(f"kind {kind!r} belongs to no lane of this store") from None
+
+    def new_task(
+        self, task: object, kind: Kind, next_run_at: object, payload: object, clock: Clock
+    ) -> tuple[TaskLaneConfig[Kind, Lane], TaskRecord[Kind]]:
+        """Check an ``enqueue``: the new task's lane and its pending record (due at
+        ``clock()`` when ``next_run_at`` is None)."""
+        checked = task_id(task)
+        lane = self.lane_for_kind(kind)
+        due = utc("next_run_at", clock() if next_run_at is None else next_run_at)
+        text("payload", payload)
+        return lane, TaskRecord(checked, kind, TaskStatus.PENDING, 0, due, payload=str(payload))
 
     def check_kinds(self, value: object) -> tuple[Kind, ...]:
         """Check a kinds argument: non-empty, every kind registered."""

@@ -253,11 +253,8 @@ class RedisTaskClaimStore:
         enqueue interrupted between them leaves only the index entry, and repeating it
         completes it.
         """
-        check.task_id(task_id)
-        lane = self._lanes.lane_for_kind(kind)
-        due = check.utc("next_run_at", self._clock() if next_run_at is None else next_run_at)
-        check.text("payload", payload)
-        record = TaskRecord(task_id, kind, TaskStatus.PENDING, 0, due, payload=payload)
+        lane, record = self._lanes.new_task(task_id, kind, next_run_at, payload, self._clock)
+        due = record.next_run_at
         keys = self.lane_keys(lane.lane_key)
         entry = json.dumps([lane.lane_key, kind])
         with _driver_errors("enqueue"):
@@ -287,8 +284,7 @@ class RedisTaskClaimStore:
 
     def complete(self, task_id: int, processing_token: int) -> bool:
         """Mark the task done; see :meth:`MemoryTaskClaimStore.complete`."""
-        check.task_id(task_id)
-        check.token(processing_token)
+        check.attempt(task_id, processing_token)
         located = self._locate(task_id)
         if located is None:
             return raise_for_status(StoreStatus.NOT_FOUND, task_id=task_id)
@@ -302,8 +298,7 @@ class RedisTaskClaimStore:
 
     def retry(self, task_id: int, processing_token: int, *, next_run_at: datetime) -> None:
         """Give the task back for another attempt; see :meth:`MemoryTaskClaimStore.retry`."""
-        check.task_id(task_id)
-        check.token(processing_token)
+        check.attempt(task_id, processing_token)
         due = check.utc("next_run_at", next_run_at)
         located = self._locate(task_id)
         if located is None:
@@ -319,8 +314,7 @@ class RedisTaskClaimStore:
 
     def heartbeat(self, task_id: int, processing_token: int, *, lease_expires_at: datetime) -> None:
         """Renew the attempt's lease; see :meth:`MemoryTaskClaimStore.heartbeat`."""
-        check.task_id(task_id)
-        check.token(processing_token)
+        check.attempt(task_id, processing_token)
         lease = check.utc("lease_expires_at", lease_expires_at)
         located = self._locate(task_id)
         if located is None:
