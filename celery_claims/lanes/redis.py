@@ -237,6 +237,21 @@ class RedisTaskClaimStore:
         lane_key, kind = known
         return self.lane_keys(lane_key), kind
 
+    def _found(self, task_id: int) -> tuple[LaneKeys, str]:
+        """The lane keys and kind of a task of this store; :class:`TaskNotFound` otherwise."""
+        located = self._locate(task_id)
+        if located is None:
+            raise TaskNotFound(task_id)
+        return located
+
+    def _settle(
+        self, operation: str, script: Script, task_id: int, token: int, keys: list[str], *args: int
+    ) -> bool:
+        """Run a complete, retry or heartbeat ``script`` on the attempt's task; its outcome."""
+        with _driver_errors(operation):
+            reply = script(keys=keys, args=[member(task_id), str(token), *args])
+        return raise_for_status(_status(reply), task_id=task_id, processing_token=token)
+
     # --- producer and worker operations ---------------------------------------------------
 
     def enqueue(
@@ -254,7 +269,6 @@ class RedisTaskClaimStore:
         completes it.
         """
         lane, record = self._lanes.new_task(task_id, kind, next_run_at, payload, self._clock)
-        due = record.next_run_at
         keys = self.lane_keys(lane.lane_key)
         entry = json.dumps([lane.lane_key, kind])
         with _driver_errors("enqueue"):
@@ -265,7 +279,7 @@ class RedisTaskClaimStore:
                     raise_for_status(StoreStatus.EXISTS, task_id=task_id)
             reply = self._enqueue(
                 keys=[keys.tasks, keys.due(kind)],
-                args=[member(task_id), encode_record(record), to_us(due)],
+                args=[member(task_id), encode_record(record), to_us(record.next_run_at)],
             )
         raise_for_status(_status(reply), task_id=task_id)
         self._remember(task_id, lane.lane_key, kind)
@@ -285,48 +299,27 @@ class RedisTaskClaimStore:
     def complete(self, task_id: int, processing_token: int) -> bool:
         """Mark the task done; see :meth:`MemoryTaskClaimStore.complete`."""
         check.attempt(task_id, processing_token)
-        located = self._locate(task_id)
-        if located is None:
-            return raise_for_status(StoreStatus.NOT_FOUND, task_id=task_id)
-        keys, kind = located
-        with _driver_errors("complete"):
-            reply = self._complete(
-                keys=[keys.tasks, keys.processing(kind)],
-                args=[member(task_id), str(processing_token)],
-            )
-        return raise_for_status(_status(reply), task_id=task_id, processing_token=processing_token)
+        keys, kind = self._found(task_id)
+        lane_keys = [keys.tasks, keys.processing(kind)]
+        return self._settle("complete", self._complete, task_id, processing_token, lane_keys)
 
     def retry(self, task_id: int, processing_token: int, *, next_run_at: datetime) -> None:
         """Give the task back for another attempt; see :meth:`MemoryTaskClaimStore.retry`."""
         check.attempt(task_id, processing_token)
         due = check.utc("next_run_at", next_run_at)
-        located = self._locate(task_id)
-        if located is None:
-            raise_for_status(StoreStatus.NOT_FOUND, task_id=task_id)
-            return
-        keys, kind = located
-        with _driver_errors("retry"):
-            reply = self._retry(
-                keys=[keys.tasks, keys.due(kind), keys.processing(kind)],
-                args=[member(task_id), str(processing_token), to_us(due)],
-            )
-        raise_for_status(_status(reply), task_id=task_id, processing_token=processing_token)
+        keys, kind = self._found(task_id)
+        lane_keys = [keys.tasks, keys.due(kind), keys.processing(kind)]
+        self._settle("retry", self._retry, task_id, processing_token, lane_keys, to_us(due))
 
     def heartbeat(self, task_id: int, processing_token: int, *, lease_expires_at: datetime) -> None:
         """Renew the attempt's lease; see :meth:`MemoryTaskClaimStore.heartbeat`."""
         check.attempt(task_id, processing_token)
         lease = check.utc("lease_expires_at", lease_expires_at)
-        located = self._locate(task_id)
-        if located is None:
-            raise_for_status(StoreStatus.NOT_FOUND, task_id=task_id)
-            return
-        keys, kind = located
-        with _driver_errors("heartbeat"):
-            reply = self._heartbeat(
-                keys=[keys.tasks, keys.processing(kind)],
-                args=[member(task_id), str(processing_token), to_us(lease)],
-            )
-        raise_for_status(_status(reply), task_id=task_id, processing_token=processing_token)
+        keys, kind = self._found(task_id)
+        lane_keys = [keys.tasks, keys.processing(kind)]
+        self._settle(
+            "heartbeat", self._heartbeat, task_id, processing_token, lane_keys, to_us(lease)
+        )
 
     def heartbeat_many(
         self, leases: Sequence[tuple[int, int]], *, lease_expires_at: datetime
