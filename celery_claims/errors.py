@@ -159,17 +159,15 @@ class CodecError(TaskCoreError):
 
 
 class InvalidValueError(TaskCoreError, InvalidArgument):
-    """A value is outside what the lane algorithm or a store accepts; nothing was changed.
-
-    The lanes' name of :class:`InvalidArgument`, with the Rust ``TaskClaimStore``'s whole
-    message (``task_id must be an int, ...``) rather than ``name: message``.
+    """A value the lane algorithm or a store refuses; nothing was changed. The lanes' name of
+    :class:`InvalidArgument`, worded as the Rust ``TaskClaimStore``'s (``task_id must be ...``).
 
     Attributes:
         name: the rejected argument, or ``"value"`` where no one argument is to blame.
     """
 
     def __init__(self, message: str, *, name: str = "value") -> None:
-        ValueError.__init__(self, message)
+        ValueError.__init__(self, message)  # the whole message, not InvalidArgument's "name: "
         self.name = name
 
     @classmethod
@@ -204,11 +202,8 @@ class TaskNotFound(InvalidValueError):
 
 
 class IoError(TaskCoreError, BackendUnavailable):
-    """The lane store failed to read or write (the storage driver's error is the cause).
-
-    The lanes' name of :class:`BackendUnavailable`: ``except BackendUnavailable`` catches a
-    claim store or a lane store that cannot be used.
-    """
+    """The lane store failed to read or write (the driver's error is the cause); the lanes'
+    name of :class:`BackendUnavailable`."""
 
 
 class _LeaseError(TaskCoreError):

@@ -1,18 +1,9 @@
-"""The worker's one boundary with the lane store: lane tickets, times, and the view.
-
-A worker's messages have string task ids and its times are milliseconds and
-``time.monotonic()``; the lane store (:mod:`celery_claims.lanes`) wants int ids and UTC
-datetimes. Every call the worker makes to the lane store, and every conversion between the
-two, is here:
-
-- a **ticket** is the int-id record of the lane store a message claims to hold one slot; a
-  worker makes one when a waiting message needs it, keeps it for reuse, renews those of
-  running tasks (:meth:`LaneTickets.heartbeat`), hands them back (:meth:`LaneTickets.hand_back`)
-  and purges those nobody claimed, gave back or renewed for :data:`TICKET_GRACE_LEASES` lane
-  leases (a worker gone);
-- times: :func:`lane_lease_secs` (the claim lease as a lane lease) and :func:`claimable_now`;
-- :class:`WorkerLaneView`, the :class:`~celery_claims.lanes.TaskClaimStore` the generic
-  algorithm runs over for one lane.
+"""The worker's one boundary with the lane store: a message (string task id, ms) holds a
+**ticket** (an int-id record of the lane store) while it waits or runs; times are converted
+here (:func:`lane_lease_secs`, :func:`claimable_now`); :class:`WorkerLaneView` is the
+``TaskClaimStore`` the generic algorithm runs over. Tickets are made when needed, kept for
+reuse, renewed while their tasks run, handed back, and purged after :data:`TICKET_GRACE_LEASES`
+idle lane leases (a worker gone).
 """
 
 from __future__ import annotations
