@@ -11,7 +11,8 @@ from celery import Celery
 
 from celery_claims.lanes import TaskClaimCandidate, TaskLaneConfig
 from celery_claims.lanes.redis import RedisTaskClaimStore
-from celery_claims.worker.delivery.lane_tickets import TICKET_GRACE_LEASES, WorkerLaneView
+from celery_claims.worker.delivery.lane_model import LaneWaiter
+from celery_claims.worker.delivery.lane_tickets import TICKET_GRACE_LEASES, claim_slots
 from celery_claims.worker.delivery.lanes import WorkerLanes
 from celery_claims.worker.settings import load_settings
 from celery_claims.worker.signals import Counters
@@ -168,20 +169,27 @@ def test_the_cleanup_task_purges_a_gone_workers_ticket(
     assert store.get_task(99) == live
 
 
-def test_a_workers_view_of_its_lane_counts_the_fleets_live_slots(
+def test_a_workers_lane_pass_claims_only_the_slots_the_fleet_leaves(
     lane_app: Celery, store: RedisTaskClaimStore
 ) -> None:
-    # Given a worker's lanes, and a gone worker's ticket whose lease is still live (lane full)
+    # Given a worker's lanes, a message of it waiting for lane exports (limit 1), and a gone
+    # worker's ticket whose lease is still live: the lane is full, fleet-wide
     lanes = WorkerLanes(load_settings(lane_app), store, Counters())
-    view = WorkerLaneView(lanes, lanes.lanes["exports"], lanes.candidates)
+    lane = lanes.lanes["exports"]
+    waiter = LaneWaiter(request=None, claim=None)
     now = datetime.now(timezone.utc)
     store.enqueue(4343, "exports", next_run_at=now - timedelta(seconds=1))
-    store.claim_candidates_for_lane(
+    other = store.claim_candidates_for_lane(
         EXPORTS, [TaskClaimCandidate(0, 4343, 0, 1)], now, now, now + timedelta(minutes=1)
     )
 
-    # When the generic algorithm asks the view how many of the lane's tasks are active
-    active = view.count_active_processing_by_kinds(now, EXPORTS.kinds)
+    # When the worker's pass offers its waiting message
+    full = claim_slots(lanes, lane, [waiter], stale_secs=60)
 
-    # Then it answers what the shared store holds (the lane protocol's count), not 0
-    assert active == store.count_active_processing_by_kinds(now, EXPORTS.kinds) == 1
+    # Then it is granted nothing (the store counted the fleet's live slot), its ticket made
+    assert full == []
+    assert waiter.ticket is not None
+
+    # And once the other slot is given back, the next pass grants it, with its new token
+    store.complete(4343, other[0].processing_token)
+    assert claim_slots(lanes, lane, [waiter], stale_secs=60) == [(waiter, 1)]

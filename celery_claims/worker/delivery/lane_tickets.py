@@ -1,7 +1,7 @@
 """The worker's one boundary with the lane store: a message (string task id, ms) holds a
 **ticket** (an int-id record of the lane store) while it waits or runs; times are converted
-here (:func:`lane_lease_secs`, :func:`claimable_now`); :class:`WorkerLaneView` is the
-``TaskClaimStore`` the generic algorithm runs over. Tickets are made when needed, kept for
+here (:func:`lane_lease_secs`, :func:`claimable_now`); a pass claims slots for its waiting
+messages in one round trip (:func:`claim_slots`). Tickets are made when needed, kept for
 reuse, renewed while their tasks run, handed back, and purged after :data:`TICKET_GRACE_LEASES`
 idle lane leases (a worker gone).
 """
@@ -12,21 +12,18 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from celery.utils.log import get_logger
 
 from celery_claims.errors import InvalidValueError, LeaseLost, TaskCoreError, TaskNotFound
-from celery_claims.lanes.dispatch import utc_now
+from celery_claims.lanes.dispatch import TOKEN_OVERFLOW_MESSAGE, utc_now
 from celery_claims.lanes.model import (
+    MAX_PROCESSING_TOKEN,
     MAX_TASK_ID,
-    ClaimedTask,
     TaskClaimCandidate,
-    TaskLaneConfig,
-    TaskRecord,
-    TaskStatus,
 )
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.worker.delivery.lane_model import Lane, LaneSlot, LaneWaiter, Ticket
@@ -35,7 +32,7 @@ __all__ = [
     "TICKET_GRACE_LEASES",
     "TICKET_PURGE_LIMIT",
     "LaneTickets",
-    "WorkerLaneView",
+    "claim_slots",
     "claimable_now",
     "lane_lease_secs",
 ]
@@ -180,65 +177,38 @@ class LaneTickets:
                 logger.warning("Lane %s: a running task's slot lease was lost", slot.lane.name)
 
 
-class WorkerLaneView:
-    """The ``TaskClaimStore`` one worker runs the generic algorithm over, for one lane.
+def claim_slots(
+    tickets: LaneTickets, lane: Lane, waiters: Sequence[LaneWaiter], stale_secs: int
+) -> list[tuple[LaneWaiter, int]]:
+    """Claim slots of ``lane`` for ``waiters`` (their tickets made as needed): each waiter
+    granted, with its ticket's new processing token.
 
-    Lists this worker's own waiting messages (as their tickets' records, oldest first, chosen
-    by ``candidates``); counts and claims in the shared store, whose claim script recounts
-    the lane atomically (see :mod:`celery_claims.worker.delivery.lanes`).
+    One round trip: the store's claim script recounts the lane's live leases (and, in a
+    keyed lane, each key's) and claims as many candidates as there is room for, atomically.
+    The lanes' generic algorithm (:func:`~celery_claims.lanes.dispatch.claim_due_for_lane`)
+    lists, counts, then claims; the worker needs neither: its own waiting messages are the
+    listing, and the script counts as it claims, so a count first would only cost a round
+    trip on every pass with room.
+
+    Raises:
+        TaskCoreError: the lane store failed (``TaskNotFound``: a ticket it no longer has).
     """
-
-    def __init__(
-        self,
-        tickets: LaneTickets,
-        lane: Lane,
-        candidates: Callable[[Lane, int], list[LaneWaiter]],
-    ) -> None:
-        self.tickets = tickets
-        self.lane = lane
-        self.candidates = candidates
-        #: the key of each listed ticket (a keyed lane's claim sends them with the candidates)
-        self.ticket_keys: dict[int, str] = {}
-
-    def list_claimable_by_kinds(
-        self, now: datetime, stale_before: datetime, kinds: Sequence[str], limit: int
-    ) -> list[TaskRecord[str]]:
-        """The tickets of the first ``limit`` waiting messages (tickets made as needed); in a
-        keyed lane, of the first ``limit`` taking at most ``limit_per_key`` of each key."""
-        records: list[TaskRecord[str]] = []
-        for waiter in self.candidates(self.lane, limit):
-            if waiter.ticket is None:
-                waiter.ticket = self.tickets.take_ticket(self.lane)
-            ticket = waiter.ticket
-            self.ticket_keys[ticket.id] = waiter.key
-            records.append(
-                TaskRecord(ticket.id, self.lane.kind, TaskStatus.PENDING, ticket.token, now)
-            )
-        return records
-
-    def count_active_processing_by_kinds(self, now: datetime, kinds: Sequence[str]) -> int:
-        """The lane's live leases in the shared store, fleet-wide (one round trip)."""
-        return self.tickets.store.count_active_processing_by_kinds(now, kinds)
-
-    def claim_candidates_for_lane(
-        self,
-        lane_config: TaskLaneConfig[str, str],
-        candidates: Sequence[TaskClaimCandidate],
-        stale_before: datetime,
-        claimed_at: datetime,
-        lease_expires_at: datetime,
-    ) -> list[ClaimedTask]:
-        """Claim in the shared store: one script, one round trip (per-key limit included)."""
-        if not self.lane.spec.keyed:
-            return self.tickets.store.claim_candidates_for_lane(
-                lane_config, candidates, stale_before, claimed_at, lease_expires_at
-            )
-        return self.tickets.store.claim_candidates_for_lane(
-            lane_config,
-            candidates,
-            stale_before,
-            claimed_at,
-            lease_expires_at,
-            keys=[self.ticket_keys[c.task_id] for c in candidates],
-            limit_per_key=self.lane.spec.limit_per_key,
-        )
+    if not waiters:
+        return []
+    candidates: list[TaskClaimCandidate] = []
+    for index, waiter in enumerate(waiters):
+        if waiter.ticket is None:
+            waiter.ticket = tickets.take_ticket(lane)
+        token = waiter.ticket.token
+        if token >= MAX_PROCESSING_TOKEN:
+            raise InvalidValueError(TOKEN_OVERFLOW_MESSAGE)
+        candidates.append(TaskClaimCandidate(index, waiter.ticket.id, token, token + 1))
+    now = utc_now()
+    stale = timedelta(seconds=max(stale_secs, 1))
+    keyed: dict[str, Any] = {}
+    if lane.spec.keyed:
+        keyed = {"keys": [w.key for w in waiters], "limit_per_key": lane.spec.limit_per_key}
+    claimed = tickets.store.claim_candidates_for_lane(
+        lane.config, candidates, now - stale, now, now + stale, **keyed
+    )
+    return [(waiters[c.index], c.processing_token) for c in claimed]

@@ -3,9 +3,8 @@
 ``claims_lanes = {"video": {"queues": ["video"], "limit": 2}}`` puts every claimed task
 delivered from the ``video`` queue (or only the task names listed under ``"kinds"``) in lane
 ``video``. The limit holds across the whole fleet, through the lane machinery of
-:mod:`celery_claims.lanes`: the generic algorithm :func:`claim_due_for_lane` over a
-:class:`RedisTaskClaimStore`, whose claim script recounts the lane's live leases and claims by
-compare-and-swap in one atomic step.
+:mod:`celery_claims.lanes`: a :class:`RedisTaskClaimStore`, whose claim script recounts the
+lane's live leases and claims by compare-and-swap in one atomic step.
 
 How a Celery message maps onto that machinery:
 
@@ -16,12 +15,10 @@ How a Celery message maps onto that machinery:
   (lease cleared, claimable again) and reuses it for its next message. A worker therefore
   creates at most as many tickets as it has lane messages waiting or running at once, and a
   message costs no ``enqueue`` (two round trips) in the steady state.
-- Each worker runs the generic algorithm over a **view** of the store
-  (:class:`~celery_claims.worker.delivery.lane_tickets.WorkerLaneView`): the listing is this
-  worker's own waiting messages, oldest first, each with its ticket; the count of active
-  tasks and the claim are the shared store's. A pass is two round trips whatever the number
-  of waiting messages, one (the count) when the lane is full; the claim script recounts
-  atomically, so the count only spares a full lane the claim.
+- A **pass** offers the store this worker's own waiting messages, oldest first, each with its
+  ticket, as the candidates of one claim
+  (:func:`~celery_claims.worker.delivery.lane_tickets.claim_slots`): one round trip whatever
+  the number waiting; the script counts the lane (and each key of a keyed lane) as it claims.
 - A message is claimed (the exactly-once claim) before it waits for its lane: duplicates of
   it are held by the claim, and a crashed worker's waiting messages are redelivered and taken
   over like running ones.
@@ -54,7 +51,6 @@ from typing import Any
 from celery.utils.log import get_logger
 
 from celery_claims.errors import TaskCoreError, TaskNotFound
-from celery_claims.lanes.dispatch import claim_due_for_lane
 from celery_claims.lanes.model import TaskLaneConfig
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.worker import signals
@@ -62,7 +58,7 @@ from celery_claims.worker.delivery.keyed import key_text, signature_of
 from celery_claims.worker.delivery.lane_model import Lane, LaneSlot, LaneWaiter
 from celery_claims.worker.delivery.lane_tickets import (
     LaneTickets,
-    WorkerLaneView,
+    claim_slots,
     lane_lease_secs,
 )
 from celery_claims.worker.settings import ClaimsSettings
@@ -197,11 +193,8 @@ class WorkerLanes(LaneTickets):
         elif why == "wakeup":
             self.counters.incr("lane_wakeups")
         try:
-            granted = claim_due_for_lane(
-                WorkerLaneView(self, lane, self.candidates),
-                lane.config,
-                self.stale_secs,
-                lambda _kind: lane.name,
+            granted = claim_slots(
+                self, lane, self.candidates(lane, lane.config.limit), self.stale_secs
             )
         except TaskCoreError as exc:
             if isinstance(exc, TaskNotFound) and self._drop_vanished(lane, exc.task_id):
@@ -211,11 +204,9 @@ class WorkerLanes(LaneTickets):
                 self._unavailable(lane, exc)
             return
         lane.delay_ms = 0
-        by_ticket = {w.ticket.id: w for w in lane.waiting if w.ticket is not None}
-        for record, lease in granted:
-            waiter = by_ticket[record.id]
+        for waiter, token in granted:
             assert waiter.ticket is not None
-            waiter.ticket.token = lease.processing_token
+            waiter.ticket.token = token
             lane.waiting.remove(waiter)
             self._grant(lane, waiter)
         self._hold_rest(lane)
