@@ -30,7 +30,13 @@ from redis.crc import key_slot
 from celery_claims.claims.calls import translate_errors
 from celery_claims.errors import BackendError, BackendUnavailable, InvalidArgument
 from celery_claims.model import ClaimToken
-from celery_claims.validation import require_fence, require_id, require_ms, require_token
+from celery_claims.validation import (
+    require_fence,
+    require_id,
+    require_ms,
+    require_sequence,
+    require_token,
+)
 
 if TYPE_CHECKING:
     import sqlalchemy
@@ -425,9 +431,7 @@ def apply_once_redis(
     if not isinstance(client, (redis.Redis, redis.RedisCluster)):
         raise InvalidArgument("client", f"must be a redis-py client, got {client!r:.80}")
     marker = _key("marker_key", marker_key)
-    given: object = ops  # typed callers pass tuples; untyped ones may pass anything
-    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
-        raise InvalidArgument("ops", f"must be a sequence of tuples, got {given!r:.80}")
+    given = require_sequence("ops", ops, "tuples")  # untyped callers may pass anything
     if not 1 <= len(given) <= MAX_OPS:
         raise InvalidArgument("ops", f"must hold 1 to {MAX_OPS} ops, got {len(given)}")
     checked = [_op(index, op) for index, op in enumerate(given)]

@@ -2,7 +2,10 @@
 
 Every error the package raises derives from :class:`ClaimError` and carries its context as
 attributes, so callers never parse messages. Driver errors (redis-py, SQLAlchemy) are
-translated at the backend boundary into :class:`BackendError` subclasses.
+translated at the backend boundary into :class:`BackendError` subclasses. The lanes keep the
+names of the Rust ``TaskClaimStore`` they port, as classes of the same tree: a bad argument is
+an :class:`InvalidArgument` (``InvalidValueError`` in lanes) and a failing store a
+:class:`BackendUnavailable` (``IoError`` in lanes), whichever API raised it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,12 @@ class InvalidArgument(ClaimError, ValueError):
     def __init__(self, name: str, message: str) -> None:
         super().__init__(f"{name}: {message}")
         self.name = name
+
+    @classmethod
+    def about(cls, name: str, message: str) -> InvalidArgument:
+        """The error for argument ``name`` and what is wrong with it (the shared checks of
+        :mod:`celery_claims.validation` raise through this, so each API words it its way)."""
+        return cls(name, message)
 
 
 class KeyRefused(InvalidArgument):
@@ -149,8 +158,22 @@ class CodecError(TaskCoreError):
     """A stored task record could not be encoded or decoded."""
 
 
-class InvalidValueError(TaskCoreError, ValueError):
-    """A value is outside what the lane algorithm or a store accepts."""
+class InvalidValueError(TaskCoreError, InvalidArgument):
+    """A value the lane algorithm or a store refuses; nothing was changed. The lanes' name of
+    :class:`InvalidArgument`, worded as the Rust ``TaskClaimStore``'s (``task_id must be ...``).
+
+    Attributes:
+        name: the rejected argument, or ``"value"`` where no one argument is to blame.
+    """
+
+    def __init__(self, message: str, *, name: str = "value") -> None:
+        ValueError.__init__(self, message)  # the whole message, not InvalidArgument's "name: "
+        self.name = name
+
+    @classmethod
+    def about(cls, name: str, message: str) -> InvalidValueError:
+        """The error for argument ``name``: ``<name> <message>``."""
+        return cls(f"{name} {message}", name=name)
 
 
 class TaskNotFound(InvalidValueError):
@@ -168,7 +191,7 @@ class TaskNotFound(InvalidValueError):
             if lane is None
             else f"candidate task {task_id} is not a task of lane {lane!r}"
         )
-        super().__init__(self.message)
+        super().__init__(self.message, name="task_id")
         self.task_id = task_id
         self.lane = lane
         # pickling rebuilds the error with ``cls(*args)``
@@ -178,8 +201,9 @@ class TaskNotFound(InvalidValueError):
         return self.message
 
 
-class IoError(TaskCoreError):
-    """The lane store failed to read or write (the storage driver's error is the cause)."""
+class IoError(TaskCoreError, BackendUnavailable):
+    """The lane store failed to read or write (the driver's error is the cause); the lanes'
+    name of :class:`BackendUnavailable`."""
 
 
 class _LeaseError(TaskCoreError):

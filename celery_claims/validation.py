@@ -1,8 +1,15 @@
-"""Argument checks shared by every backend; they run before any state is touched."""
+"""Argument checks shared by every backend, claims and lanes alike; they run before any
+state is touched.
+
+Each check raises ``error.about(name, what is wrong)``: :class:`InvalidArgument` by default
+(``lease_ms: must be ...``), :class:`~celery_claims.errors.InvalidValueError` for the lanes
+(``lease_ms must be ...``, the Rust ``TaskClaimStore``'s wording), one class either way.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 from celery_claims.errors import InvalidArgument
@@ -15,11 +22,16 @@ __all__ = [
     "MAX_TAKEOVERS",
     "require_fence",
     "require_id",
+    "require_int",
     "require_limit",
     "require_max_takeovers",
     "require_ms",
+    "require_prefix",
+    "require_sequence",
+    "require_text",
     "require_token",
     "require_tokens",
+    "require_utc",
 ]
 
 #: Longest id accepted, in UTF-8 bytes. Celery ids are 36; queue names are short.
@@ -38,44 +50,98 @@ MAX_FENCE = 2**63 - 1
 #: Largest instance or timestamp a token may carry: exact in a Lua (double) number.
 MAX_TOKEN_NUMBER = 2**53
 
+Error = type[InvalidArgument]
+
+
+def _shown(number: int) -> str:
+    # 2**63-1 reads better than its 19 digits
+    exponent = (number + 1).bit_length() - 1
+    return f"2**{exponent}-1" if exponent >= 31 and number + 1 == 2**exponent else str(number)
+
+
+def require_int(
+    name: str, value: object, maximum: int, *, minimum: int = 0, error: Error = InvalidArgument
+) -> int:
+    """Return ``value`` if it is an ``int`` in ``minimum .. maximum``, else raise ``error``."""
+    # bool is an int subclass: ``lease_ms=True`` is a bug, never one millisecond.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise error.about(name, f"must be an int, got {type(value).__name__}")
+    if not minimum <= value <= maximum:
+        raise error.about(name, f"must be between {minimum} and {_shown(maximum)}, got {value}")
+    return value
+
 
 def require_fence(instance: object) -> int:
     """Return ``instance`` if it is a fencing number a guarded write can store (``0 ..
     2**63-1``), else raise :class:`InvalidArgument`."""
-    if isinstance(instance, bool) or not isinstance(instance, int):
-        raise InvalidArgument("instance", f"must be an int, got {type(instance).__name__}")
-    if not 0 <= instance <= MAX_FENCE:
-        raise InvalidArgument("instance", f"must be in 0 .. 2**63-1, got {instance!r:.80}")
-    return instance
+    return require_int("instance", instance, MAX_FENCE)
+
+
+def require_text(
+    name: str,
+    value: object,
+    *,
+    empty: bool = False,
+    max_bytes: int | None = None,
+    error: Error = InvalidArgument,
+) -> str:
+    """Return ``value`` if it is text every store can keep: a ``str`` of valid UTF-8 without
+    NUL characters, non-empty unless ``empty``, at most ``max_bytes`` long in UTF-8.
+
+    PostgreSQL refuses NUL in text, and a lone surrogate cannot be encoded for Redis; refusing
+    both everywhere keeps the stores interchangeable.
+    """
+    if not isinstance(value, str):
+        raise error.about(name, f"must be a str, got {type(value).__name__}")
+    if not value and not empty:
+        raise error.about(name, "must not be empty")
+    if "\x00" in value:
+        raise error.about(name, "must not contain NUL characters")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise error.about(name, "must be valid UTF-8 text (no lone surrogates)") from None
+    if max_bytes is not None and size > max_bytes:
+        raise error.about(name, f"is {size} bytes long; the limit is {max_bytes}")
+    return value
 
 
 def require_id(name: str, value: Any) -> str:
     """Return ``value`` if it is a usable id, else raise :class:`InvalidArgument`."""
-    if not isinstance(value, str):
-        raise InvalidArgument(name, f"must be a str, got {type(value).__name__}")
-    if not value:
-        raise InvalidArgument(name, "must not be empty")
-    if "\x00" in value:
-        raise InvalidArgument(name, "must not contain NUL characters")
-    try:
-        size = len(value.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise InvalidArgument(name, "must be valid Unicode (no lone surrogates)") from None
-    if size > MAX_ID_BYTES:
-        raise InvalidArgument(name, f"is {size} bytes long; the limit is {MAX_ID_BYTES}")
-    return value
+    return require_text(name, value, max_bytes=MAX_ID_BYTES)
+
+
+def require_prefix(prefix: object, *, error: Error = InvalidArgument) -> str:
+    """Return ``prefix`` if it is a key prefix: a non-empty str that cannot open or close a
+    hash tag."""
+    if not isinstance(prefix, str) or not prefix:
+        raise error.about("prefix", f"must be a non-empty str, got {prefix!r:.80}")
+    if "{" in prefix or "}" in prefix:
+        raise error.about("prefix", "must not contain braces, '{' or '}' (they move hash slots)")
+    return prefix
 
 
 def require_ms(name: str, value: Any, *, maximum: int = MAX_LEASE_MS) -> int:
     """Return ``value`` if it is a non-negative int of milliseconds up to ``maximum``."""
-    # bool is an int subclass: ``lease_ms=True`` is a bug, never one millisecond.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(name, f"must be an int of milliseconds, got {type(value).__name__}")
-    if value < 0:
-        raise InvalidArgument(name, f"must not be negative, got {value}")
-    if value > maximum:
-        raise InvalidArgument(name, f"must be at most {maximum} ms, got {value}")
-    return value
+    return require_int(name, value, maximum)
+
+
+def require_utc(name: str, value: object, *, error: Error = InvalidArgument) -> datetime:
+    """Return ``value`` in UTC if it is a timezone-aware datetime."""
+    if not isinstance(value, datetime):
+        raise error.about(name, f"must be a datetime, got {value!r:.80}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise error.about(name, f"must be timezone-aware, got naive {value!r}")
+    return value.astimezone(timezone.utc)
+
+
+def require_sequence(
+    name: str, value: object, of: str, *, error: Error = InvalidArgument
+) -> tuple[Any, ...]:
+    """Return ``value`` as a tuple if it is a sequence (a bare string is refused)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise error.about(name, f"must be a sequence of {of}, got {value!r:.80}")
+    return tuple(value)
 
 
 def require_token(value: Any) -> ClaimToken:
@@ -86,19 +152,13 @@ def require_token(value: Any) -> ClaimToken:
     require_id("token.task_id", value.task_id)
     require_id("token.owner", value.owner)
     for field in ("instance", "created_at", "expires_at"):
-        number = getattr(value, field)
-        if isinstance(number, bool) or not isinstance(number, int):
-            raise InvalidArgument(f"token.{field}", f"must be an int, got {type(number).__name__}")
-        if not 0 <= number <= MAX_TOKEN_NUMBER:
-            raise InvalidArgument(f"token.{field}", f"is out of range: {number}")
+        require_int(f"token.{field}", getattr(value, field), MAX_TOKEN_NUMBER)
     return value
 
 
 def require_tokens(tokens: Any) -> list[ClaimToken]:
     """Return ``tokens`` as a list if it is a sequence of well-formed tokens."""
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-        raise InvalidArgument("tokens", f"must be a sequence of ClaimToken, got {tokens!r:.80}")
-    return [require_token(t) for t in tokens]
+    return [require_token(t) for t in require_sequence("tokens", tokens, "ClaimToken")]
 
 
 def require_limit(limit: Any) -> int | None:
@@ -110,12 +170,4 @@ def require_limit(limit: Any) -> int | None:
 
 def require_max_takeovers(value: Any) -> int | None:
     """Return ``value`` if it is ``None`` (no limit) or a non-negative int of takeovers."""
-    # bool is an int subclass: ``max_takeovers=True`` is a bug, never a limit of one
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TAKEOVERS
-    ):
-        raise InvalidArgument(
-            "max_takeovers",
-            f"must be None or an int in 0..{MAX_TAKEOVERS}, got {value!r:.80}",
-        )
-    return value
+    return None if value is None else require_int("max_takeovers", value, MAX_TAKEOVERS)

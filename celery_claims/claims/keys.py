@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from urllib.parse import unquote
 
-from celery_claims.errors import InvalidArgument
+from celery_claims.validation import require_prefix
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -69,15 +69,6 @@ def owner_key_ttl_ms(owner: str) -> int:
     """The key retention a keyed claim's owner carries (0 for none, or a plain owner)."""
     found = _KEYED_OWNER.search(owner)
     return 0 if found is None else int(found.group(2))
-
-
-def require_prefix(prefix: object) -> str:
-    """Validate a key prefix: a non-empty str that cannot open or close a hash tag."""
-    if not isinstance(prefix, str) or not prefix:
-        raise InvalidArgument("prefix", f"must be a non-empty str, got {prefix!r:.80}")
-    if "{" in prefix or "}" in prefix:
-        raise InvalidArgument("prefix", "must not contain '{' or '}' (it would move hash slots)")
-    return prefix
 
 
 def queues_key(prefix: str) -> str:

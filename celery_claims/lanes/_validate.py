@@ -1,4 +1,5 @@
-"""Argument checks shared by the lane algorithm and the shipped stores.
+"""Argument checks of the lane algorithm and the shipped stores: the lanes' own (ids, tokens,
+candidates, lane registries) over the generic ones of :mod:`celery_claims.validation`.
 
 Every public entry point calls these before it reads or writes anything, so a bad argument
 raises :class:`~celery_claims.errors.InvalidValueError` and leaves the store untouched.
@@ -6,8 +7,8 @@ raises :class:`~celery_claims.errors.InvalidValueError` and leaves the store unt
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
-from datetime import datetime, timezone
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, Generic
 
 from celery_claims.errors import InvalidValueError
@@ -18,54 +19,47 @@ from celery_claims.lanes.model import (
     Lane,
     TaskClaimCandidate,
     TaskLaneConfig,
+    TaskRecord,
+    TaskStatus,
 )
+from celery_claims.validation import require_int, require_sequence, require_text, require_utc
+
+#: A clock: the current time as a timezone-aware datetime (see ``lanes.dispatch.Clock``).
+Clock = Callable[[], datetime]
 
 #: Longest kind or lane key the shipped stores accept (the SQL column width).
 MAX_NAME_LENGTH = 255
 
 
-def is_int(value: object) -> bool:
-    """Whether ``value`` is an ``int`` and not a ``bool``."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def utc(name: str, value: object) -> datetime:
     """Check that ``value`` is a timezone-aware datetime and return it in UTC."""
-    if not isinstance(value, datetime):
-        raise InvalidValueError(f"{name} must be a datetime, got {value!r}")
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise InvalidValueError(f"{name} must be timezone-aware, got naive {value!r}")
-    return value.astimezone(timezone.utc)
-
-
-def task_id(value: object, name: str = "task_id") -> int:
-    """Check a task id: an ``int`` in ``[0, MAX_TASK_ID]``."""
-    if not is_int(value):
-        raise InvalidValueError(f"{name} must be an int, got {value!r}")
-    assert isinstance(value, int)
-    if not 0 <= value <= MAX_TASK_ID:
-        raise InvalidValueError(f"{name} must be between 0 and {MAX_TASK_ID}, got {value}")
-    return value
-
-
-def token(value: object, name: str = "processing_token") -> int:
-    """Check a processing token: an ``int`` in ``[0, MAX_PROCESSING_TOKEN]``."""
-    if not is_int(value):
-        raise InvalidValueError(f"{name} must be an int, got {value!r}")
-    assert isinstance(value, int)
-    if not 0 <= value <= MAX_PROCESSING_TOKEN:
-        raise InvalidValueError(f"{name} must be between 0 and {MAX_PROCESSING_TOKEN}, got {value}")
-    return value
+    return require_utc(name, value, error=InvalidValueError)
 
 
 def non_negative_int(name: str, value: object, maximum: int = MAX_PROCESSING_TOKEN) -> int:
     """Check an ``int`` in ``[0, maximum]``."""
-    if not is_int(value):
-        raise InvalidValueError(f"{name} must be an int, got {value!r}")
-    assert isinstance(value, int)
-    if not 0 <= value <= maximum:
-        raise InvalidValueError(f"{name} must be between 0 and {maximum}, got {value}")
-    return value
+    return require_int(name, value, maximum, error=InvalidValueError)
+
+
+def task_id(value: object, name: str = "task_id") -> int:
+    """Check a task id: an ``int`` in ``[0, MAX_TASK_ID]``."""
+    return non_negative_int(name, value, MAX_TASK_ID)
+
+
+def token(value: object, name: str = "processing_token") -> int:
+    """Check a processing token: an ``int`` in ``[0, MAX_PROCESSING_TOKEN]``."""
+    return non_negative_int(name, value, MAX_PROCESSING_TOKEN)
+
+
+def attempt(task: object, processing_token: object) -> None:
+    """Check the task id and token naming one processing attempt."""
+    task_id(task)
+    token(processing_token)
+
+
+def text(what: str, value: object) -> str:
+    """Check text every store can keep (see :func:`~celery_claims.validation.require_text`)."""
+    return require_text(what, value, empty=True, error=InvalidValueError)
 
 
 def kinds(value: object) -> tuple[Any, ...]:
@@ -84,34 +78,15 @@ def kinds(value: object) -> tuple[Any, ...]:
 def name(what: str, value: object) -> str:
     """Check a name stored by the Redis or SQL store: a non-empty ``str`` of bounded length."""
     if not isinstance(value, str) or not value:
-        raise InvalidValueError(f"{what} must be a non-empty str, got {value!r}")
+        raise InvalidValueError.about(what, f"must be a non-empty str, got {value!r:.80}")
     if len(value) > MAX_NAME_LENGTH:
-        raise InvalidValueError(f"{what} must be at most {MAX_NAME_LENGTH} characters")
+        raise InvalidValueError.about(what, f"must be at most {MAX_NAME_LENGTH} characters")
     return text(what, value)
-
-
-def text(what: str, value: object) -> str:
-    """Check text every store can keep: a ``str`` of valid UTF-8 without NUL characters.
-
-    PostgreSQL refuses NUL in text, and a lone surrogate cannot be encoded for Redis; refusing
-    both everywhere keeps the stores interchangeable.
-    """
-    if not isinstance(value, str):
-        raise InvalidValueError(f"{what} must be a str, got {type(value).__name__}")
-    if "\x00" in value:
-        raise InvalidValueError(f"{what} must not contain NUL characters")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidValueError(f"{what} is not valid UTF-8 text: {exc.reason}") from exc
-    return value
 
 
 def candidates(value: object) -> tuple[TaskClaimCandidate, ...]:
     """Check claim candidates: ids, indices and tokens in range, each ``next > expected``."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise InvalidValueError(f"candidates must be a sequence, got {value!r}")
-    result = tuple(value)
+    result = require_sequence("candidates", value, "candidates", error=InvalidValueError)
     for candidate in result:
         if not isinstance(candidate, TaskClaimCandidate):
             raise InvalidValueError(f"not a TaskClaimCandidate: {candidate!r}")
@@ -138,9 +113,8 @@ def candidate_keys(keys: object, count: int, limit_per_key: object, limit: int) 
         if per_key != 0:
             raise InvalidValueError("limit_per_key needs keys, one per candidate")
         return ("",) * count
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
-        raise InvalidValueError(f"keys must be a sequence of str, got {keys!r:.80}")
-    result = tuple(name("candidate key", key) for key in keys)
+    given = require_sequence("keys", keys, "str", error=InvalidValueError)
+    result = tuple(name("candidate key", key) for key in given)
     if len(result) != count:
         raise InvalidValueError(f"{len(result)} keys for {count} candidates: give one each")
     if not 1 <= per_key <= max(limit, 1):
@@ -216,6 +190,17 @@ class LaneRegistry(Generic[Kind, Lane]):
             return self.lane_of_kind[kind]  # type: ignore[index]
         except (KeyError, TypeError):
             raise InvalidValueError(f"kind {kind!r} belongs to no lane of this store") from None
+
+    def new_task(
+        self, task: object, kind: Kind, next_run_at: object, payload: object, clock: Clock
+    ) -> tuple[TaskLaneConfig[Kind, Lane], TaskRecord[Kind]]:
+        """Check an ``enqueue``: the new task's lane and its pending record (due at
+        ``clock()`` when ``next_run_at`` is None)."""
+        checked = task_id(task)
+        lane = self.lane_for_kind(kind)
+        due = utc("next_run_at", clock() if next_run_at is None else next_run_at)
+        text("payload", payload)
+        return lane, TaskRecord(checked, kind, TaskStatus.PENDING, 0, due, payload=str(payload))
 
     def check_kinds(self, value: object) -> tuple[Kind, ...]:
         """Check a kinds argument: non-empty, every kind registered."""

@@ -7,7 +7,7 @@ storage operations of :class:`~celery_claims.lanes.protocol.TaskClaimStore`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
@@ -130,6 +130,42 @@ def _leases(due: Sequence[TaskT], claimed: Sequence[ClaimedTask]) -> list[tuple[
     return result
 
 
+#: One store call of the algorithm, applied to the store by the sync or the asyncio driver.
+_Call = Callable[[Any], Any]
+
+
+def _algorithm(
+    lane_config: TaskLaneConfig[Any, Lane],
+    processing_stale_secs: object,
+    task_lane: Callable[[Any], Lane],
+    clock: Clock,
+) -> Generator[_Call, Any, list[tuple[Any, TaskLease]]]:
+    """The Rust ``TaskClaimStore``'s algorithm, written once for both drivers: it yields each
+    store call and is sent its result (arguments are checked before the first call)."""
+    stale = _check_arguments(lane_config, processing_stale_secs, task_lane, clock)
+    if lane_config.limit == 0:
+        return []
+    kinds, limit = lane_config.kinds, lane_config.limit
+    now = _read_clock(clock)
+    stale_before = now - stale
+    due = yield lambda store: store.list_claimable_by_kinds(now, stale_before, kinds, limit)
+    if not due:
+        return []
+    active = yield lambda store: store.count_active_processing_by_kinds(now, kinds)
+    if available_capacity(limit, active) == 0:
+        return []
+    candidates = _candidates(due, lane_config, task_lane)
+    if not candidates:
+        # the Rust ``TaskClaimStore`` returns here: every listed task was another lane's
+        return []
+    claimed_at = _read_clock(clock)
+    lease_expires_at = claimed_at + stale
+    claimed = yield lambda store: store.claim_candidates_for_lane(
+        lane_config, candidates, stale_before, claimed_at, lease_expires_at
+    )
+    return _leases(due, claimed)
+
+
 def claim_due_for_lane(
     store: TaskClaimStore[TaskT, Any, Lane],
     lane_config: TaskLaneConfig[Any, Lane],
@@ -165,27 +201,14 @@ def claim_due_for_lane(
             ``2**63 - 1`` ("background task processing token overflow"); nothing is claimed.
         TaskCoreError: whatever the store raises.
     """
-    stale = _check_arguments(lane_config, processing_stale_secs, task_lane, clock)
-    if lane_config.limit == 0:
-        return []
-    now = _read_clock(clock)
-    stale_before = now - stale
-    due = store.list_claimable_by_kinds(now, stale_before, lane_config.kinds, lane_config.limit)
-    if not due:
-        return []
-    active = store.count_active_processing_by_kinds(now, lane_config.kinds)
-    if available_capacity(lane_config.limit, active) == 0:
-        return []
-    candidates = _candidates(due, lane_config, task_lane)
-    if not candidates:
-        # the Rust ``TaskClaimStore`` returns here: every listed task was another lane's
-        return []
-    claimed_at = _read_clock(clock)
-    lease_expires_at = claimed_at + stale
-    claimed = store.claim_candidates_for_lane(
-        lane_config, candidates, stale_before, claimed_at, lease_expires_at
-    )
-    return _leases(due, claimed)
+    steps = _algorithm(lane_config, processing_stale_secs, task_lane, clock)
+    reply: Any = None
+    try:
+        while True:
+            reply = steps.send(reply)(store)
+    except StopIteration as done:
+        claimed: list[tuple[TaskT, TaskLease]] = done.value
+        return claimed
 
 
 async def aclaim_due_for_lane(
@@ -200,26 +223,11 @@ async def aclaim_due_for_lane(
 
     Same arguments, result and errors; every store call is awaited.
     """
-    stale = _check_arguments(lane_config, processing_stale_secs, task_lane, clock)
-    if lane_config.limit == 0:
-        return []
-    now = _read_clock(clock)
-    stale_before = now - stale
-    due = await store.list_claimable_by_kinds(
-        now, stale_before, lane_config.kinds, lane_config.limit
-    )
-    if not due:
-        return []
-    active = await store.count_active_processing_by_kinds(now, lane_config.kinds)
-    if available_capacity(lane_config.limit, active) == 0:
-        return []
-    candidates = _candidates(due, lane_config, task_lane)
-    if not candidates:
-        # the Rust ``TaskClaimStore`` returns here: every listed task was another lane's
-        return []
-    claimed_at = _read_clock(clock)
-    lease_expires_at = claimed_at + stale
-    claimed = await store.claim_candidates_for_lane(
-        lane_config, candidates, stale_before, claimed_at, lease_expires_at
-    )
-    return _leases(due, claimed)
+    steps = _algorithm(lane_config, processing_stale_secs, task_lane, clock)
+    reply: Any = None
+    try:
+        while True:
+            reply = await steps.send(reply)(store)
+    except StopIteration as done:
+        claimed: list[tuple[TaskT, TaskLease]] = done.value
+        return claimed

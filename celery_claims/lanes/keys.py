@@ -3,7 +3,7 @@
 All keys of one lane carry the lane's hash tag ``{<lane key>}``, so a lane's scripts touch a
 single Redis Cluster slot. Lane keys and kinds are escaped before they go into a key name, so a
 ``{``, ``}`` or ``:`` in them can neither move a key to another slot nor collide with another
-lane's or kind's key.
+lane's or kind's key (the claim store's escape, :func:`celery_claims.claims.keys.escape`).
 
 Layout, for prefix ``P`` and lane key ``L``:
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from celery_claims.errors import InvalidValueError
+from celery_claims.claims.keys import escape
 
 __all__ = ["LaneKeys", "escape", "member", "task_index_key"]
 
@@ -32,23 +32,9 @@ __all__ = ["LaneKeys", "escape", "member", "task_index_key"]
 MEMBER_DIGITS = 19
 
 
-def escape(part: str) -> str:
-    """Escape a lane key or kind for use inside a key name (reversible, so injective)."""
-    return part.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
-
-
 def member(task_id: int) -> str:
     """The zero-padded member naming ``task_id`` in a lane's hash and sorted sets."""
     return f"{task_id:0{MEMBER_DIGITS}d}"
-
-
-def check_prefix(prefix: object) -> str:
-    """Check a key prefix: a non-empty ``str`` without braces (they would set the hash tag)."""
-    if not isinstance(prefix, str) or not prefix:
-        raise InvalidValueError(f"prefix must be a non-empty str, got {prefix!r}")
-    if "{" in prefix or "}" in prefix:
-        raise InvalidValueError(f"prefix must not contain braces, got {prefix!r}")
-    return prefix
 
 
 def task_index_key(prefix: str) -> str:

@@ -11,7 +11,7 @@ import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Generic
+from typing import Any, Generic
 
 from celery_claims.lanes import _validate as check
 from celery_claims.lanes.dispatch import Clock, available_capacity, utc_now
@@ -74,11 +74,7 @@ class MemoryTaskClaimStore(Generic[Kind, Lane]):
         Raises:
             InvalidValueError: on a bad argument or when the id is taken.
         """
-        check.task_id(task_id)
-        self._lanes.lane_for_kind(kind)
-        due = check.utc("next_run_at", self._clock() if next_run_at is None else next_run_at)
-        check.text("payload", payload)
-        task = TaskRecord(task_id, kind, TaskStatus.PENDING, 0, due, payload=payload)
+        _, task = self._lanes.new_task(task_id, kind, next_run_at, payload, self._clock)
         with self._lock:
             if task_id in self._tasks:
                 raise_for_status(StoreStatus.EXISTS, task_id=task_id)
@@ -102,14 +98,8 @@ class MemoryTaskClaimStore(Generic[Kind, Lane]):
             InvalidValueError: on a bad argument or an unknown id.
             LeaseLost: another attempt holds the task, or it is no longer processing.
         """
-        check.task_id(task_id)
-        check.token(processing_token)
-        with self._lock:
-            task = self._tasks.get(task_id)
-            status = settle_status(task, processing_token, completing=True)
-            if status is StoreStatus.OK and task is not None:
-                self._tasks[task_id] = dataclasses.replace(task, status=TaskStatus.DONE)
-        return raise_for_status(status, task_id=task_id, processing_token=processing_token)
+        check.attempt(task_id, processing_token)
+        return self._settle(task_id, processing_token, {"status": TaskStatus.DONE}, completing=True)
 
     def retry(self, task_id: int, processing_token: int, *, next_run_at: datetime) -> None:
         """Give the task back for another attempt at ``next_run_at`` (status retry).
@@ -118,17 +108,10 @@ class MemoryTaskClaimStore(Generic[Kind, Lane]):
             InvalidValueError: on a bad argument or an unknown id.
             LeaseLost: another attempt holds the task, or it is no longer processing.
         """
-        check.task_id(task_id)
-        check.token(processing_token)
+        check.attempt(task_id, processing_token)
         due = check.utc("next_run_at", next_run_at)
-        with self._lock:
-            task = self._tasks.get(task_id)
-            status = settle_status(task, processing_token)
-            if status is StoreStatus.OK and task is not None:
-                self._tasks[task_id] = dataclasses.replace(
-                    task, status=TaskStatus.RETRY, next_run_at=due, lease_expires_at=None
-                )
-        raise_for_status(status, task_id=task_id, processing_token=processing_token)
+        changes = {"status": TaskStatus.RETRY, "next_run_at": due, "lease_expires_at": None}
+        self._settle(task_id, processing_token, changes)
 
     def heartbeat(self, task_id: int, processing_token: int, *, lease_expires_at: datetime) -> None:
         """Renew the lease of the attempt ``processing_token`` until ``lease_expires_at``.
@@ -140,15 +123,20 @@ class MemoryTaskClaimStore(Generic[Kind, Lane]):
             InvalidValueError: on a bad argument or an unknown id.
             LeaseLost: another attempt holds the task, or it is no longer processing.
         """
-        check.task_id(task_id)
-        check.token(processing_token)
+        check.attempt(task_id, processing_token)
         lease = check.utc("lease_expires_at", lease_expires_at)
+        self._settle(task_id, processing_token, {"lease_expires_at": lease})
+
+    def _settle(
+        self, task_id: int, token: int, changes: dict[str, Any], *, completing: bool = False
+    ) -> bool:
+        """Apply ``changes`` to the attempt's task if it still holds it, or report why not."""
         with self._lock:
             task = self._tasks.get(task_id)
-            status = settle_status(task, processing_token)
+            status = settle_status(task, token, completing=completing)
             if status is StoreStatus.OK and task is not None:
-                self._tasks[task_id] = dataclasses.replace(task, lease_expires_at=lease)
-        raise_for_status(status, task_id=task_id, processing_token=processing_token)
+                self._tasks[task_id] = dataclasses.replace(task, **changes)
+        return raise_for_status(status, task_id=task_id, processing_token=token)
 
     def count_unfinished(self, kinds: Sequence[Kind]) -> int:
         """How many tasks of ``kinds`` are pending, retry or processing."""

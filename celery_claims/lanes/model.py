@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from celery_claims.errors import InvalidValueError, LeaseLost, TaskNotFound
+from celery_claims.validation import require_int
 
 __all__ = [
     "MAX_PROCESSING_TOKEN",
@@ -59,11 +60,6 @@ class TaskStatus(str, enum.Enum):
     DONE = "done"
 
 
-def _is_int(value: object) -> bool:
-    # bool is an int subclass, but ``True`` as a limit or token is always a caller bug.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @dataclass(frozen=True)
 class TaskLaneConfig(Generic[Kind, Lane]):
     """A lane: the task kinds it covers and how many of them may be processing at once.
@@ -104,12 +100,9 @@ class TaskLaneConfig(Generic[Kind, Lane]):
             raise InvalidValueError(f"lane {self.lane!r} has an unhashable kind") from exc
         if distinct != len(self.kinds):
             raise InvalidValueError(f"lane {self.lane!r} lists a kind twice: {self.kinds!r}")
-        if not _is_int(self.limit):
-            raise InvalidValueError(f"lane {self.lane!r} limit must be an int, got {self.limit!r}")
-        if not 0 <= self.limit <= MAX_LANE_LIMIT:
-            raise InvalidValueError(
-                f"lane {self.lane!r} limit must be between 0 and {MAX_LANE_LIMIT}, got {self.limit}"
-            )
+        require_int(
+            f"lane {self.lane!r} limit", self.limit, MAX_LANE_LIMIT, error=InvalidValueError
+        )
         if not isinstance(self.fast_continue, bool):
             raise InvalidValueError(f"lane {self.lane!r} fast_continue must be a bool")
         if not isinstance(self.lock_key, str):

@@ -36,7 +36,7 @@ from celery_claims.errors import (
 )
 from celery_claims.lanes import _validate as check
 from celery_claims.lanes.dispatch import Clock, utc_now
-from celery_claims.lanes.keys import LaneKeys, check_prefix, member, task_index_key
+from celery_claims.lanes.keys import LaneKeys, member, task_index_key
 from celery_claims.lanes.model import (
     MAX_TASK_ID,
     ClaimedTask,
@@ -47,6 +47,7 @@ from celery_claims.lanes.model import (
     TaskStatus,
     raise_for_status,
 )
+from celery_claims.validation import require_prefix
 
 __all__ = ["DEFAULT_PREFIX", "RedisTaskClaimStore"]
 
@@ -175,7 +176,7 @@ class RedisTaskClaimStore:
         if (url is None) == (client is None):
             raise InvalidValueError("pass exactly one of url= and client=")
         self._lanes: check.LaneRegistry[str, Any] = check.LaneRegistry(lanes, str_kinds=True)
-        self.prefix = check_prefix(prefix)
+        self.prefix = require_prefix(prefix, error=InvalidValueError)
         self._clock = clock
         self._owns_client = client is None
         if client is None:
@@ -236,6 +237,21 @@ class RedisTaskClaimStore:
         lane_key, kind = known
         return self.lane_keys(lane_key), kind
 
+    def _found(self, task_id: int) -> tuple[LaneKeys, str]:
+        """The lane keys and kind of a task of this store; :class:`TaskNotFound` otherwise."""
+        located = self._locate(task_id)
+        if located is None:
+            raise TaskNotFound(task_id)
+        return located
+
+    def _settle(
+        self, operation: str, script: Script, task_id: int, token: int, keys: list[str], *args: int
+    ) -> bool:
+        """Run a complete, retry or heartbeat ``script`` on the attempt's task; its outcome."""
+        with _driver_errors(operation):
+            reply = script(keys=keys, args=[member(task_id), str(token), *args])
+        return raise_for_status(_status(reply), task_id=task_id, processing_token=token)
+
     # --- producer and worker operations ---------------------------------------------------
 
     def enqueue(
@@ -252,11 +268,7 @@ class RedisTaskClaimStore:
         enqueue interrupted between them leaves only the index entry, and repeating it
         completes it.
         """
-        check.task_id(task_id)
-        lane = self._lanes.lane_for_kind(kind)
-        due = check.utc("next_run_at", self._clock() if next_run_at is None else next_run_at)
-        check.text("payload", payload)
-        record = TaskRecord(task_id, kind, TaskStatus.PENDING, 0, due, payload=payload)
+        lane, record = self._lanes.new_task(task_id, kind, next_run_at, payload, self._clock)
         keys = self.lane_keys(lane.lane_key)
         entry = json.dumps([lane.lane_key, kind])
         with _driver_errors("enqueue"):
@@ -267,7 +279,7 @@ class RedisTaskClaimStore:
                     raise_for_status(StoreStatus.EXISTS, task_id=task_id)
             reply = self._enqueue(
                 keys=[keys.tasks, keys.due(kind)],
-                args=[member(task_id), encode_record(record), to_us(due)],
+                args=[member(task_id), encode_record(record), to_us(record.next_run_at)],
             )
         raise_for_status(_status(reply), task_id=task_id)
         self._remember(task_id, lane.lane_key, kind)
@@ -286,52 +298,28 @@ class RedisTaskClaimStore:
 
     def complete(self, task_id: int, processing_token: int) -> bool:
         """Mark the task done; see :meth:`MemoryTaskClaimStore.complete`."""
-        check.task_id(task_id)
-        check.token(processing_token)
-        located = self._locate(task_id)
-        if located is None:
-            return raise_for_status(StoreStatus.NOT_FOUND, task_id=task_id)
-        keys, kind = located
-        with _driver_errors("complete"):
-            reply = self._complete(
-                keys=[keys.tasks, keys.processing(kind)],
-                args=[member(task_id), str(processing_token)],
-            )
-        return raise_for_status(_status(reply), task_id=task_id, processing_token=processing_token)
+        check.attempt(task_id, processing_token)
+        keys, kind = self._found(task_id)
+        lane_keys = [keys.tasks, keys.processing(kind)]
+        return self._settle("complete", self._complete, task_id, processing_token, lane_keys)
 
     def retry(self, task_id: int, processing_token: int, *, next_run_at: datetime) -> None:
         """Give the task back for another attempt; see :meth:`MemoryTaskClaimStore.retry`."""
-        check.task_id(task_id)
-        check.token(processing_token)
+        check.attempt(task_id, processing_token)
         due = check.utc("next_run_at", next_run_at)
-        located = self._locate(task_id)
-        if located is None:
-            raise_for_status(StoreStatus.NOT_FOUND, task_id=task_id)
-            return
-        keys, kind = located
-        with _driver_errors("retry"):
-            reply = self._retry(
-                keys=[keys.tasks, keys.due(kind), keys.processing(kind)],
-                args=[member(task_id), str(processing_token), to_us(due)],
-            )
-        raise_for_status(_status(reply), task_id=task_id, processing_token=processing_token)
+        keys, kind = self._found(task_id)
+        lane_keys = [keys.tasks, keys.due(kind), keys.processing(kind)]
+        self._settle("retry", self._retry, task_id, processing_token, lane_keys, to_us(due))
 
     def heartbeat(self, task_id: int, processing_token: int, *, lease_expires_at: datetime) -> None:
         """Renew the attempt's lease; see :meth:`MemoryTaskClaimStore.heartbeat`."""
-        check.task_id(task_id)
-        check.token(processing_token)
+        check.attempt(task_id, processing_token)
         lease = check.utc("lease_expires_at", lease_expires_at)
-        located = self._locate(task_id)
-        if located is None:
-            raise_for_status(StoreStatus.NOT_FOUND, task_id=task_id)
-            return
-        keys, kind = located
-        with _driver_errors("heartbeat"):
-            reply = self._heartbeat(
-                keys=[keys.tasks, keys.processing(kind)],
-                args=[member(task_id), str(processing_token), to_us(lease)],
-            )
-        raise_for_status(_status(reply), task_id=task_id, processing_token=processing_token)
+        keys, kind = self._found(task_id)
+        lane_keys = [keys.tasks, keys.processing(kind)]
+        self._settle(
+            "heartbeat", self._heartbeat, task_id, processing_token, lane_keys, to_us(lease)
+        )
 
     def heartbeat_many(
         self, leases: Sequence[tuple[int, int]], *, lease_expires_at: datetime

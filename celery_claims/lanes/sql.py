@@ -279,11 +279,7 @@ class SqlTaskClaimStore:
         payload: str = "",
     ) -> TaskRecord[str]:
         """Add a pending task; see :meth:`MemoryTaskClaimStore.enqueue`."""
-        check.task_id(task_id)
-        self._lanes.lane_for_kind(kind)
-        due = check.utc("next_run_at", self._clock() if next_run_at is None else next_run_at)
-        check.text("payload", payload)
-        record = TaskRecord(task_id, kind, TaskStatus.PENDING, 0, due, payload=payload)
+        _, record = self._lanes.new_task(task_id, kind, next_run_at, payload, self._clock)
         try:
             with self.engine.begin() as conn:
                 conn.execute(
@@ -292,7 +288,7 @@ class SqlTaskClaimStore:
                         kind=kind,
                         status=record.status.value,
                         processing_token=0,
-                        next_run_at=due,
+                        next_run_at=record.next_run_at,
                         payload=payload,
                     )
                 )
@@ -311,8 +307,7 @@ class SqlTaskClaimStore:
 
     def complete(self, task_id: int, processing_token: int) -> bool:
         """Mark the task done; see :meth:`MemoryTaskClaimStore.complete`."""
-        check.task_id(task_id)
-        check.token(processing_token)
+        check.attempt(task_id, processing_token)
         return self._settle(
             "complete",
             task_id,
@@ -323,8 +318,7 @@ class SqlTaskClaimStore:
 
     def retry(self, task_id: int, processing_token: int, *, next_run_at: datetime) -> None:
         """Give the task back for another attempt; see :meth:`MemoryTaskClaimStore.retry`."""
-        check.task_id(task_id)
-        check.token(processing_token)
+        check.attempt(task_id, processing_token)
         due = check.utc("next_run_at", next_run_at)
         self._settle(
             "retry",
@@ -335,8 +329,7 @@ class SqlTaskClaimStore:
 
     def heartbeat(self, task_id: int, processing_token: int, *, lease_expires_at: datetime) -> None:
         """Renew the attempt's lease; see :meth:`MemoryTaskClaimStore.heartbeat`."""
-        check.task_id(task_id)
-        check.token(processing_token)
+        check.attempt(task_id, processing_token)
         lease = check.utc("lease_expires_at", lease_expires_at)
         self._settle("heartbeat", task_id, processing_token, {"lease_expires_at": lease})
 

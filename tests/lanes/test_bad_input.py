@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from celery_claims.errors import ClaimError
+from celery_claims.claims.redis import RedisClaimManager
+from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument, IoError
 from celery_claims.lanes import (
     MAX_PROCESSING_TOKEN,
     InvalidValueError,
@@ -242,3 +243,28 @@ def test_key_escaping_is_reversible_and_hides_braces_and_colons() -> None:
     assert escape("a%7B") != escape("a{")
     assert REPORTS.lane_key == "reports"
     assert LANES[0] is MAIL
+
+
+def test_one_except_catches_bad_input_and_one_an_unreachable_store_whichever_api() -> None:
+    # Given a claim manager and a lane store on a port where no Redis listens
+    claims = RedisClaimManager(url="redis://127.0.0.1:1")
+    lanes = RedisTaskClaimStore(url="redis://127.0.0.1:1", lanes=LANES)
+    try:
+        # When each gets a bad argument, Then it raises InvalidArgument (the lanes' name for it
+        # stays, as the same class)
+        with pytest.raises(InvalidArgument):
+            claims.claim("q", "", "w", 1000)
+        with pytest.raises(InvalidArgument) as bad:
+            lanes.enqueue(-1, "send_email", next_run_at=T0)
+        assert isinstance(bad.value, InvalidValueError)
+        assert bad.value.name == "task_id"
+
+        # When each must reach its store, Then it raises BackendUnavailable
+        with pytest.raises(BackendUnavailable):
+            claims.claim("q", "t", "w", 1000)
+        with pytest.raises(BackendUnavailable) as down:
+            lanes.enqueue(1, "send_email", next_run_at=T0)
+        assert isinstance(down.value, IoError)
+    finally:
+        claims.client.close()
+        lanes.close()

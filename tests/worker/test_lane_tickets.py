@@ -11,7 +11,11 @@ from celery import Celery
 
 from celery_claims.lanes import TaskClaimCandidate, TaskLaneConfig
 from celery_claims.lanes.redis import RedisTaskClaimStore
-from celery_claims.worker.delivery.lane_tickets import TICKET_GRACE_LEASES
+from celery_claims.worker.delivery.lane_model import LaneWaiter
+from celery_claims.worker.delivery.lane_tickets import TICKET_GRACE_LEASES, claim_slots
+from celery_claims.worker.delivery.lanes import WorkerLanes
+from celery_claims.worker.settings import load_settings
+from celery_claims.worker.signals import Counters
 from tests.servers import RedisServer
 from tests.worker.helpers import (
     LEASE_MS,
@@ -163,3 +167,29 @@ def test_the_cleanup_task_purges_a_gone_workers_ticket(
     # Then the gone worker's ticket is purged, the fresh one kept
     assert store.get_task(ticket) is None
     assert store.get_task(99) == live
+
+
+def test_a_workers_lane_pass_claims_only_the_slots_the_fleet_leaves(
+    lane_app: Celery, store: RedisTaskClaimStore
+) -> None:
+    # Given a worker's lanes, a message of it waiting for lane exports (limit 1), and a gone
+    # worker's ticket whose lease is still live: the lane is full, fleet-wide
+    lanes = WorkerLanes(load_settings(lane_app), store, Counters())
+    lane = lanes.lanes["exports"]
+    waiter = LaneWaiter(request=None, claim=None)
+    now = datetime.now(timezone.utc)
+    store.enqueue(4343, "exports", next_run_at=now - timedelta(seconds=1))
+    other = store.claim_candidates_for_lane(
+        EXPORTS, [TaskClaimCandidate(0, 4343, 0, 1)], now, now, now + timedelta(minutes=1)
+    )
+
+    # When the worker's pass offers its waiting message
+    full = claim_slots(lanes, lane, [waiter], stale_secs=60)
+
+    # Then it is granted nothing (the store counted the fleet's live slot), its ticket made
+    assert full == []
+    assert waiter.ticket is not None
+
+    # And once the other slot is given back, the next pass grants it, with its new token
+    store.complete(4343, other[0].processing_token)
+    assert claim_slots(lanes, lane, [waiter], stale_secs=60) == [(waiter, 1)]

@@ -8,9 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_claims.lanes.model import (
-    TaskLaneConfig,
-)
+from celery_claims.lanes.model import TaskLaneConfig
 from celery_claims.worker.settings import LaneSpec
 
 __all__ = ["Lane", "LaneSlot", "LaneWaiter", "Ticket"]

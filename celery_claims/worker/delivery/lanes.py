@@ -3,9 +3,8 @@
 ``claims_lanes = {"video": {"queues": ["video"], "limit": 2}}`` puts every claimed task
 delivered from the ``video`` queue (or only the task names listed under ``"kinds"``) in lane
 ``video``. The limit holds across the whole fleet, through the lane machinery of
-:mod:`celery_claims.lanes`: the generic algorithm :func:`claim_due_for_lane` over a
-:class:`RedisTaskClaimStore`, whose claim script recounts the lane's live leases and claims by
-compare-and-swap in one atomic step.
+:mod:`celery_claims.lanes`: a :class:`RedisTaskClaimStore`, whose claim script recounts the
+lane's live leases and claims by compare-and-swap in one atomic step.
 
 How a Celery message maps onto that machinery:
 
@@ -16,12 +15,10 @@ How a Celery message maps onto that machinery:
   (lease cleared, claimable again) and reuses it for its next message. A worker therefore
   creates at most as many tickets as it has lane messages waiting or running at once, and a
   message costs no ``enqueue`` (two round trips) in the steady state.
-- Each worker runs the generic algorithm over a **view** of the store
-  (:class:`WorkerLaneView`): the listing is this worker's own waiting messages, oldest first,
-  each with its ticket; the count of active tasks is left to the store, whose claim script
-  recounts atomically anyway (a count here would add a round trip per pass and decide
-  nothing the script does not decide again); the claim goes to the shared store. One pass is
-  one round trip, whatever the number of waiting messages.
+- A **pass** offers the store this worker's own waiting messages, oldest first, each with its
+  ticket, as the candidates of one claim
+  (:func:`~celery_claims.worker.delivery.lane_tickets.claim_slots`): one round trip whatever
+  the number waiting; the script counts the lane (and each key of a keyed lane) as it claims.
 - A message is claimed (the exactly-once claim) before it waits for its lane: duplicates of
   it are held by the claim, and a crashed worker's waiting messages are redelivered and taken
   over like running ones.
@@ -46,93 +43,30 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-import math
 import threading
 import time
-from collections.abc import Callable, Sequence
-from datetime import datetime, timedelta
+from collections.abc import Callable
 from typing import Any
 
 from celery.utils.log import get_logger
 
-from celery_claims.errors import LeaseLost, TaskCoreError, TaskNotFound
-from celery_claims.lanes.dispatch import claim_due_for_lane, utc_now
-from celery_claims.lanes.model import (
-    ClaimedTask,
-    TaskClaimCandidate,
-    TaskLaneConfig,
-    TaskRecord,
-    TaskStatus,
-)
+from celery_claims.errors import TaskCoreError, TaskNotFound
+from celery_claims.lanes.model import TaskLaneConfig
 from celery_claims.lanes.redis import RedisTaskClaimStore
 from celery_claims.worker import signals
 from celery_claims.worker.delivery.keyed import key_text, signature_of
 from celery_claims.worker.delivery.lane_model import Lane, LaneSlot, LaneWaiter
-from celery_claims.worker.delivery.lane_tickets import LaneTickets
+from celery_claims.worker.delivery.lane_tickets import (
+    LaneTickets,
+    claim_slots,
+    lane_lease_secs,
+)
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.transport.loop import on_loop_soon
 
-__all__ = ["WorkerLaneView", "WorkerLanes"]
+__all__ = ["WorkerLanes"]
 
 logger = get_logger("celery_claims.worker")
-
-
-class WorkerLaneView:
-    """The ``TaskClaimStore`` one worker runs the generic algorithm over, for one lane.
-
-    Lists this worker's own waiting messages (as their tickets' records, oldest first),
-    leaves the active count to the shared store's atomic recount, and claims in the shared
-    store. See the module docstring.
-    """
-
-    def __init__(self, lanes: WorkerLanes, lane: Lane) -> None:
-        self.lanes = lanes
-        self.lane = lane
-        #: the key of each listed ticket (a keyed lane's claim sends them with the candidates)
-        self.ticket_keys: dict[int, str] = {}
-
-    def list_claimable_by_kinds(
-        self, now: datetime, stale_before: datetime, kinds: Sequence[str], limit: int
-    ) -> list[TaskRecord[str]]:
-        """The tickets of the first ``limit`` waiting messages (tickets made as needed); in a
-        keyed lane, of the first ``limit`` taking at most ``limit_per_key`` of each key."""
-        records: list[TaskRecord[str]] = []
-        for waiter in self.lanes.candidates(self.lane, limit):
-            if waiter.ticket is None:
-                waiter.ticket = self.lanes.take_ticket(self.lane)
-            ticket = waiter.ticket
-            self.ticket_keys[ticket.id] = waiter.key
-            records.append(
-                TaskRecord(ticket.id, self.lane.kind, TaskStatus.PENDING, ticket.token, now)
-            )
-        return records
-
-    def count_active_processing_by_kinds(self, now: datetime, kinds: Sequence[str]) -> int:
-        """0: the shared store recounts the lane atomically inside its claim script."""
-        return 0
-
-    def claim_candidates_for_lane(
-        self,
-        lane_config: TaskLaneConfig[str, str],
-        candidates: Sequence[TaskClaimCandidate],
-        stale_before: datetime,
-        claimed_at: datetime,
-        lease_expires_at: datetime,
-    ) -> list[ClaimedTask]:
-        """Claim in the shared store: one script, one round trip (per-key limit included)."""
-        if not self.lane.spec.keyed:
-            return self.lanes.store.claim_candidates_for_lane(
-                lane_config, candidates, stale_before, claimed_at, lease_expires_at
-            )
-        return self.lanes.store.claim_candidates_for_lane(
-            lane_config,
-            candidates,
-            stale_before,
-            claimed_at,
-            lease_expires_at,
-            keys=[self.ticket_keys[c.task_id] for c in candidates],
-            limit_per_key=self.lane.spec.limit_per_key,
-        )
 
 
 class WorkerLanes(LaneTickets):
@@ -157,8 +91,7 @@ class WorkerLanes(LaneTickets):
         for lane in self.lanes.values():
             for queue in lane.spec.queues:
                 self._by_queue.setdefault(queue, []).append(lane)
-        # a lane lease of whole seconds (the algorithm's unit), at least the claim lease
-        self.stale_secs = max(1, math.ceil(settings.lease_ms / 1000))
+        self.stale_secs = lane_lease_secs(settings.lease_ms)
         #: when the lease keeper's next purge is due (``time.monotonic()``; 0: at once)
         self.purge_at = 0.0
         self._lock = threading.Lock()
@@ -260,8 +193,8 @@ class WorkerLanes(LaneTickets):
         elif why == "wakeup":
             self.counters.incr("lane_wakeups")
         try:
-            granted = claim_due_for_lane(
-                WorkerLaneView(self, lane), lane.config, self.stale_secs, lambda _kind: lane.name
+            granted = claim_slots(
+                self, lane, self.candidates(lane, lane.config.limit), self.stale_secs
             )
         except TaskCoreError as exc:
             if isinstance(exc, TaskNotFound) and self._drop_vanished(lane, exc.task_id):
@@ -271,11 +204,9 @@ class WorkerLanes(LaneTickets):
                 self._unavailable(lane, exc)
             return
         lane.delay_ms = 0
-        by_ticket = {w.ticket.id: w for w in lane.waiting if w.ticket is not None}
-        for record, lease in granted:
-            waiter = by_ticket[record.id]
+        for waiter, token in granted:
             assert waiter.ticket is not None
-            waiter.ticket.token = lease.processing_token
+            waiter.ticket.token = token
             lane.waiting.remove(waiter)
             self._grant(lane, waiter)
         self._hold_rest(lane)
@@ -438,20 +369,9 @@ class WorkerLanes(LaneTickets):
             if slot.released:
                 return
             slot.released = True
-        ticket = slot.ticket
-        try:
-            self.store.retry(ticket.id, ticket.token, next_run_at=utc_now() - timedelta(seconds=1))
-        except (LeaseLost, TaskNotFound):
-            # claimed by someone else (its store data was lost), or purged (this worker was
-            # stalled past the grace): forget it; its slot is free either way
-            logger.warning("Lane %s: ticket %d was lost", slot.lane.name, ticket.id)
-            self.wake(slot.lane)
-            return
-        except TaskCoreError as exc:
-            # its lease is no longer renewed and expires by itself; the ticket stays usable
-            logger.warning("Lane %s: could not free a slot now (%s)", slot.lane.name, exc)
-        self.counters.incr("lane_released")
-        self.give_back(slot.lane, ticket)
+        if self.hand_back(slot):
+            self.counters.incr("lane_released")
+            self.give_back(slot.lane, slot.ticket)
         self.wake(slot.lane)
 
     # --- a waiting message leaves without a slot (event loop) -------------------------------
