@@ -159,9 +159,7 @@ def measure(
                 start_log(clients, tasks)
                 if callgrind:
                     callgrind_control("-z", proc.pid)
-                overhead.run_batch(
-                    broker, publisher, variant, queue, "bench.noop", tasks, log=log
-                )
+                overhead.run_batch(broker, publisher, variant, queue, "bench.noop", tasks, log=log)
                 time.sleep(SETTLE_S)
                 instructions = None
                 if callgrind:
@@ -211,8 +209,10 @@ def main() -> None:
             ins = found["instructions"]
             shown = f"{ins / 1000:,.0f}k instr/msg main" if ins else "no callgrind"
             print(f"{pool:7} {variant:15} {shown}; {listed}", flush=True)
-    print("\n| pool | variant | main process instructions/msg | broker commands/msg "
-          "| broker scripts/msg | store commands/msg | store scripts/msg (journal_put) |")  # fmt: skip
+    print(
+        "\n| pool | variant | main process instructions/msg | broker commands/msg "
+        "| broker scripts/msg | store commands/msg | store scripts/msg (journal_put) |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for pool, variant, found in rows:
         cmds, ins = found["commands"], found["instructions"]
