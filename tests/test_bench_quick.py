@@ -157,3 +157,24 @@ def test_the_ceiling_benchmark_quick_mode_prints_each_servers_cost_and_the_fleet
         for cell in row[2:]:
             low, high = (float(v.replace(",", "")) for v in cell.split(" (")[0].split(" - "))
             assert 0 < low <= high, row
+
+
+@pytest.mark.slow
+def test_the_counts_benchmark_finds_two_worker_calls_a_message_on_a_store_apart() -> None:
+    # Given the counts benchmark without callgrind, on a worker whose claim store is a server
+    # of its own (solo: the record goes on the consumer's pipe)
+    args = [
+        sys.executable, "bench/counts.py", "--no-callgrind", "--tasks", "20",
+        "--pools", "solo", "--variants", "claims-sep",
+    ]  # fmt: skip
+
+    # When it runs
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=110, check=False)
+
+    # Then the store ran three scripts a message: the worker's claim and record, and the
+    # producer's journal entry; nothing else (a count, not a timing: it is the contract)
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| solo | claims-sep"))
+    assert row.endswith("| 3.00 | 3.00 (1.00) |"), row
+    assert "EVALSHA claim 1.00" in done.stdout
+    assert "EVALSHA ack_done 1.00" in done.stdout

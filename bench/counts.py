@@ -1,0 +1,233 @@
+"""What one message costs, in counts that do not depend on the machine's load.
+
+    python bench/counts.py [--tasks 200] [--pools solo,prefork]
+                           [--variants plain,ride0,claims,claims-sep] [--baseline TREE]
+                           [--no-callgrind]
+
+Wall-clock ratios (``bench/celery_overhead.py``) move with whatever else runs on a shared
+machine; these counts do not. For each pool and variant (those of ``bench/overhead_app.py``),
+one real ``celery worker`` on private ``redis-server``s of its own (a second one is the claim
+store of ``claims-sep``) drains a batch of no-op tasks, and this prints, per message:
+
+- **commands** each server ran for the worker and the producer, by name, ``EVALSHA`` by script
+  (the slow log set to record every command; a script's own ``redis.call``s and this process's
+  polls are left out; a ``MULTI`` transaction's commands count one by one, ``EXEC`` is not
+  logged): the store's script calls per message are the round trips a claim costs there;
+- **instructions** of the worker's main process (``valgrind --tool=callgrind``, counters
+  zeroed before the batch and dumped after it; its pool processes run under valgrind too but
+  are not counted): repeatable whatever else runs. It includes what the main process does
+  while the batch drains at valgrind's pace (its idle ``BRPOP`` timeouts, the keeper's beats):
+  a few thousand instructions a message at these batch sizes. ``--no-callgrind`` skips it.
+
+``--baseline TREE`` adds ``claims-base`` and ``claims-sep-base``: the same variants run from
+another checkout (``git worktree add TREE <commit>``), worker and producer, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import celery_overhead as overhead  # noqa: E402
+from bench.ceiling import script_names  # noqa: E402
+
+#: This process's connections (its polls are not the message's cost).
+OWN_CLIENT = "bench-counts"
+#: Slow log entries kept per message (a claims message logs about 50, scripts' calls included).
+LOG_PER_MESSAGE = 128
+#: Longest wait for a worker under valgrind to drain its first task, in s.
+START_TIMEOUT_S = 600.0
+#: Pause after a batch's last ack: the last records and journal clearings come after it, in s.
+SETTLE_S = 2.0
+
+
+@contextlib.contextmanager
+def worker(
+    variant: str, pool: str, url: str, queue: str, logs: Path, callgrind: bool
+) -> Iterator[Any]:
+    """A worker of ``variant``, under callgrind if asked; yields its process."""
+    tree, name = overhead.checkout(variant)
+    extra: list[str] = []
+    if variant in overhead.BASE_VARIANTS:
+        if variant == "claims-sep-base":
+            extra = ["--claims-redis-url", os.environ["BENCH_STORE_URL"]]
+        name = "claims"
+    env = overhead.tree_env(tree, BENCH_VARIANT=name, BENCH_URL=url, BENCH_QUEUE=queue)
+    args = [
+        sys.executable, "-m", "celery", "-A", "bench.overhead_app", "worker",
+        "-P", pool, "-c", "2" if pool == "prefork" else "1", "-Q", queue, "-l", "WARNING",
+        "--without-mingle", "--without-gossip", "--without-heartbeat", *extra,
+    ]  # fmt: skip
+    if callgrind:
+        out = logs / f"callgrind.{queue}.%p"
+        args = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *args]
+    with (logs / f"{queue}.log").open("wb") as log:
+        proc = subprocess.Popen(
+            args, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        yield proc
+    finally:
+        overhead.stop(proc)
+
+
+def callgrind_control(option: str, pid: int) -> None:
+    subprocess.run(["callgrind_control", option, str(pid)], check=True, capture_output=True)
+
+
+def dumped_instructions(logs: Path, queue: str, pid: int) -> int:
+    """Instructions in the newest dump of ``pid`` (``callgrind_control -d``)."""
+    dumps = sorted(logs.glob(f"callgrind.{queue}.{pid}.*"), key=lambda p: p.stat().st_mtime)
+    text = dumps[-1].read_text(errors="replace")
+    found = re.search(r"^(?:summary|totals): (\d+)", text, re.MULTILINE)
+    assert found, f"no totals in {dumps[-1]}"
+    return int(found.group(1))
+
+
+def start_log(clients: dict[str, redis.Redis], n: int) -> None:
+    for client in clients.values():
+        client.config_set("slowlog-max-len", n * LOG_PER_MESSAGE)
+        client.slowlog_reset()
+        client.config_set("slowlog-log-slower-than", 0)
+
+
+def read_log(
+    clients: dict[str, redis.Redis], n: int, shas: dict[str, str]
+) -> dict[str, dict[str, float]]:
+    """Per server: command -> calls per message (top-level commands of the worker and the
+    producer; ``EVALSHA`` named by its script)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, client in clients.items():
+        client.config_set("slowlog-log-slower-than", 10_000)
+        logged = client.slowlog_get(n * LOG_PER_MESSAGE)
+        client.slowlog_reset()
+        if len(logged) >= n * LOG_PER_MESSAGE:
+            raise SystemExit(f"{name}: slow log full, raise LOG_PER_MESSAGE")
+        per: dict[str, float] = {}
+        for entry in logged:
+            if entry["client_address"] == b"?:0" or entry["client_name"] == OWN_CLIENT.encode():
+                continue  # a script's own call; this process's polls and reads
+            words = entry["command"].split(b" ", 2)
+            command = words[0].decode().upper()
+            if command in ("SLOWLOG", "CONFIG"):
+                continue
+            if command in ("EVALSHA", "EVAL") and len(words) > 1:
+                sha = words[1].decode().lower()
+                command = f"{command} {shas.get(sha, sha[:8])}"
+            per[command] = per.get(command, 0) + 1 / n
+        out[name] = per
+    return out
+
+
+def measure(
+    variant: str, pool: str, tasks: int, logs: Path, callgrind: bool, shas: dict[str, str]
+) -> dict[str, Any]:
+    """One variant on one pool: its counts per message."""
+    with overhead.private_redis() as url, overhead.private_redis() as store_url:
+        os.environ["BENCH_STORE_URL"] = store_url
+        broker = redis.Redis.from_url(url, client_name=OWN_CLIENT)
+        store = redis.Redis.from_url(store_url, client_name=OWN_CLIENT)
+        clients = {"broker": broker}
+        if "sep" in variant:
+            clients["store"] = store
+        queue = f"counts-{variant}-{pool}"
+        publisher = overhead.Publisher(url, variant, queue, logs / f"{queue}.producer.log")
+        try:
+            with worker(variant, pool, url, queue, logs, callgrind) as proc:
+                log = logs / f"{queue}.log"
+                overhead.run_batch(
+                    broker, publisher, variant, queue, "bench.noop", 1,
+                    timeout=START_TIMEOUT_S, log=log,
+                )  # fmt: skip
+                overhead.run_batch(broker, publisher, variant, queue, "bench.noop", 20, log=log)
+                time.sleep(SETTLE_S)
+                start_log(clients, tasks)
+                if callgrind:
+                    callgrind_control("-z", proc.pid)
+                overhead.run_batch(broker, publisher, variant, queue, "bench.noop", tasks, log=log)
+                time.sleep(SETTLE_S)
+                instructions = None
+                if callgrind:
+                    callgrind_control("-d", proc.pid)
+                    instructions = dumped_instructions(logs, queue, proc.pid) / tasks
+                commands = read_log(clients, tasks, shas)
+        finally:
+            publisher.close()
+            for client in (broker, store):
+                client.close()
+    return {"commands": commands, "instructions": instructions}
+
+
+def scripts(per: dict[str, float]) -> float:
+    return sum(v for k, v in per.items() if k.startswith("EVAL"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--tasks", type=int, default=200)
+    parser.add_argument("--pools", default="solo,prefork")
+    parser.add_argument("--variants", default="plain,ride0,claims,claims-sep")
+    parser.add_argument("--baseline", type=Path, help="a checkout of an earlier commit")
+    parser.add_argument("--no-callgrind", action="store_true")
+    opts = parser.parse_args()
+    callgrind = not opts.no_callgrind
+    if callgrind and shutil.which("valgrind") is None:
+        parser.error("valgrind is not on PATH (or pass --no-callgrind)")
+    variants = opts.variants.split(",")
+    if opts.baseline is not None:
+        overhead.BASELINE = opts.baseline
+        variants += [v for v in overhead.BASE_VARIANTS if v not in variants]
+    logs = Path(tempfile.mkdtemp(prefix="bench-counts-"))
+    shas = script_names()
+    print(f"{opts.tasks} no-op tasks a batch; logs in {logs}", flush=True)
+    rows = []
+    for pool in opts.pools.split(","):
+        for variant in variants:
+            found = measure(variant, pool, opts.tasks, logs, callgrind, shas)
+            rows.append((pool, variant, found))
+            cmds = found["commands"]
+            listed = "; ".join(
+                f"{server}: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items()) if v >= 0.005)
+                for server, per in cmds.items()
+            )
+            ins = found["instructions"]
+            shown = f"{ins / 1000:,.0f}k instr/msg main" if ins else "no callgrind"
+            print(f"{pool:7} {variant:15} {shown}; {listed}", flush=True)
+    print(
+        "\n| pool | variant | main process instructions/msg | broker commands/msg "
+        "| broker scripts/msg | store commands/msg | store scripts/msg (journal_put) |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for pool, variant, found in rows:
+        cmds, ins = found["commands"], found["instructions"]
+        broker, store = cmds["broker"], cmds.get("store")
+        on_store = (
+            f"{sum(store.values()):.2f} | {scripts(store):.2f} "
+            f"({store.get('EVALSHA journal_put', 0):.2f})"
+            if store is not None
+            else "- | -"
+        )
+        print(
+            f"| {pool} | {variant} | {f'{ins / 1000:,.0f}k' if ins else '-'} | "
+            f"{sum(broker.values()):.2f} | {scripts(broker):.2f} | {on_store} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
