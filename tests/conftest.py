@@ -109,3 +109,37 @@ def _no_join_block_left_behind() -> Iterator[None]:
     """
     yield
     _set_task_join_will_block(False)
+
+
+def _machine_service(item: pytest.Item) -> str | None:
+    """The machine's shared service ``item`` uses whose names are one namespace for every
+    test process (``rabbitmq``: worker node names and their exclusive pidbox queues, queue
+    names; ``postgres``: the lane tables of database ``test``), or None."""
+    if item.get_closest_marker("rabbitmq") is not None:
+        return "rabbitmq"
+    if item.get_closest_marker("postgres") is not None:
+        return "postgres"
+    path = getattr(item, "path", None)
+    if path is not None and "RABBITMQ_URL" in _source(str(path)):
+        return "rabbitmq"
+    return None
+
+
+_SOURCES: dict[str, str] = {}
+
+
+def _source(path: str) -> str:
+    if path not in _SOURCES:
+        with open(path, encoding="utf-8") as f:
+            _SOURCES[path] = f.read()
+    return _SOURCES[path]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n``, ``--dist loadgroup``): a module's tests run in one process,
+    one after another (its module fixtures start once), and every test that uses the
+    machine's RabbitMQ or PostgreSQL runs in one process too, so no two of them share a
+    worker name or a table at once. Without xdist the marks do nothing."""
+    for item in items:
+        group = _machine_service(item) or getattr(item.module, "__name__", item.nodeid)
+        item.add_marker(pytest.mark.xdist_group(group))
