@@ -44,7 +44,8 @@ def test_a_later_run_claims_a_task_an_earlier_run_completed(manager: ClaimManage
     # Then it is granted, and the record of run 5 stays until run 6 completes
     assert isinstance(result, Success)
     record = manager.done_record(Q, "t1")
-    assert isinstance(record, AlreadyDone) and owner_run(record.owner) == 5
+    assert isinstance(record, AlreadyDone)
+    assert owner_run(record.owner) == 5
 
 
 def test_copies_of_the_same_or_an_earlier_run_are_still_done(manager: ClaimManager) -> None:
@@ -88,11 +89,15 @@ def test_a_new_run_waits_for_a_live_claim_and_takes_an_expired_one_over(
     after = manager.claim_unless_done(Q, "t1", with_run("w/2/b.2", 2), LEASE, run=2)
 
     # Then it is held, then it takes the claim over (a crashed new run is not lost)
-    assert isinstance(live, AlreadyClaimed) and live.owner == holder
-    assert isinstance(after, TookOver) and after.previous_owner == holder
+    assert isinstance(live, AlreadyClaimed)
+    assert live.owner == holder
+    assert isinstance(after, TookOver)
+    assert after.previous_owner == holder
 
 
-def test_a_given_up_record_turns_a_later_run_away(manager: ClaimManager, clock: ManualClock) -> None:
+def test_a_given_up_record_turns_a_later_run_away(
+    manager: ClaimManager, clock: ManualClock
+) -> None:
     # Given a task given up as poison (no takeover allowed)
     assert manager.claim_unless_done(Q, "t1", "w/1/a.1", LEASE, max_takeovers=0).acquired
     clock.advance(LEASE)
@@ -113,9 +118,12 @@ def test_a_bad_run_is_refused_before_anything_changes(manager: ClaimManager, run
 
 def test_run_spelling_round_trips_and_names_runs_only_at_the_owner_end() -> None:
     assert parse_run(format_run(MAX_RUN)) == MAX_RUN
-    assert format_run(36) == "10" and parse_run("10") == 36
+    assert format_run(36) == "10"
+    assert parse_run("10") == 36
     assert [parse_run(x) for x in ("", "0", "A", "-1", 5, "1" * 12)] == [None] * 6
     assert owner_run(with_run("host/1/n.2", 70)) == 70
     assert owner_run("host~r5/1/n.2") is None
-    assert earlier_run(with_run("o", 4), 5) and not earlier_run(with_run("o", 5), 5)
-    assert not earlier_run("o", 5) and not earlier_run(with_run("o", 4), None)
+    assert earlier_run(with_run("o", 4), 5)
+    assert not earlier_run(with_run("o", 5), 5)
+    assert not earlier_run("o", 5)
+    assert not earlier_run(with_run("o", 4), None)

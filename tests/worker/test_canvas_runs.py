@@ -18,7 +18,7 @@ from celery_claims.worker.publish.runs import RUN_HEADER
 from tests.servers import RedisServer
 from tests.worker.helpers import close_app, in_process_worker, make_app, wait_for
 
-TIMEOUT = 20
+TIMEOUT = 60
 
 
 class Runs:

@@ -9,10 +9,11 @@ is a group member or a chord's part (Celery's ``group`` header: header tasks, an
 which Celery freezes with the chord's group id), or a chain step (``chain`` in the message's
 embedded options, an empty list for the last step). Other messages get no run.
 
-The run is this process's clock in microseconds, made strictly increasing per process; the
-worker compares runs only to tell an earlier run's record from a later run's copy (see
-:mod:`celery_claims.runs`), so a clock that is behind makes a re-apply look earlier (it is
-skipped as done, as without runs), never an earlier run's copy look later.
+The run is this process's clock in microseconds, made strictly increasing per process. A
+copy runs only if the task's record is of a lower run, and a completion replaces the record,
+so a run that completed never runs again, whatever the clocks; a producer whose clock is
+behind the last run's can only make its re-apply look earlier (skipped as done, as without
+runs).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from celery.signals import before_task_publish
 
 from celery_claims.runs import MAX_RUN, format_run, parse_run
 
-__all__ = ["RUN_HEADER", "connect_runs", "is_canvas_part", "run_of"]
+__all__ = ["RUN_HEADER", "connect_runs", "is_canvas_part", "run_of", "stamp"]
 
 #: The message header that carries a canvas part's run.
 RUN_HEADER = "x-claims-run"
@@ -58,14 +59,18 @@ def _next_run() -> int:
     return run
 
 
-def _stamp(sender: Any = None, body: Any = None, headers: Any = None, **_: Any) -> None:
-    """``before_task_publish``: give a canvas part's message a run of its own.
-
-    A run the headers carry already (a caller's ``headers=``, headers a retry copied from its
-    request) is replaced: every send is a new run, an inherited one would be an earlier's.
-    """
-    if isinstance(headers, dict) and is_canvas_part(headers, body):
+def stamp(headers: Any, body: Any) -> None:
+    """Give a canvas part's message (``headers`` and ``body`` as ``before_task_publish`` has
+    them) its run, unless its headers carry one already: a second call in the same send (the
+    publish journal's capture, then this module's receiver) keeps the first's, and a retry
+    that copies its request's headers stays in its run (a new attempt of it)."""
+    if isinstance(headers, dict) and RUN_HEADER not in headers and is_canvas_part(headers, body):
         headers[RUN_HEADER] = format_run(_next_run())
+
+
+def _stamp(sender: Any = None, body: Any = None, headers: Any = None, **_: Any) -> None:
+    """``before_task_publish``: :func:`stamp`."""
+    stamp(headers, body)
 
 
 def connect_runs() -> None:
