@@ -12,7 +12,7 @@ from celery_claims.claims.journal import JournalEntry, RedisJournal
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import ClaimError
 from celery_claims.model import AlreadyDone, GivenUp
-from celery_claims.runs import earlier_run
+from celery_claims.runs import earlier_run, owner_run
 from celery_claims.worker.publish.envelope import Envelope
 from celery_claims.worker.publish.runs import run_of
 from celery_claims.worker.settings import ClaimsSettings
@@ -145,8 +145,8 @@ class JournalRecovery:
     def _later_run(entry: JournalEntry, record: AlreadyDone | GivenUp) -> bool:
         """True when ``entry``'s message is a later run of a canvas part than the one whose
         completion ``record`` is (a re-applied canvas: publish/runs.py): not done yet."""
-        if not isinstance(record, AlreadyDone):
-            return False
+        if not isinstance(record, AlreadyDone) or owner_run(record.owner) is None:
+            return False  # a plain task's record, or a given-up one: the message is not read
         try:
             headers = Envelope.loads(entry.message).headers
         except ValueError:
