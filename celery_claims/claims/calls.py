@@ -43,6 +43,7 @@ from celery_claims.model import (
     Success,
     TookOver,
 )
+from celery_claims.runs import format_run
 from celery_claims.validation import (
     require_id,
     require_max_takeovers,
@@ -364,12 +365,15 @@ class ScriptRunner:
         max_takeovers: int | None = None,
         given_up_ttl_ms: int = DEFAULT_GIVEN_UP_TTL_MS,
         rate: RatePart | None = None,
+        run: int | None = None,
     ) -> ScriptCall[GateResult | RatedClaim]:
         """The checked, unsent call of :meth:`claim_unless_done` (or of :meth:`claim`).
 
         Registers the queue first (one round trip, once per queue and process). With
         ``honour_done=False`` records are ignored, so a given-up task is only refused by the
-        call that gives it up: pass ``max_takeovers`` with ``honour_done=True``.
+        call that gives it up: pass ``max_takeovers`` with ``honour_done=True``. ``run``
+        (with ``honour_done``): a completion record of an earlier run is not answered
+        (:mod:`celery_claims.runs`).
 
         With ``rate`` (never on a Redis Cluster, where the rates' keys are in another slot:
         :attr:`folds_rates`), a granted claim's start is counted against its rates in the
@@ -386,13 +390,17 @@ class ScriptRunner:
         require_ms("lease_ms", lease_ms)
         limit = require_max_takeovers(max_takeovers)
         require_ms("given_up_ttl_ms", given_up_ttl_ms)
+        records = "1" if honour_done else "0"
+        if run is not None:
+            run_text = format_run(run)  # checked even where records are ignored
+            records = "r" + run_text if honour_done else records
         self._register(queue_id)
         args: list[Any] = [
             task_id,
             owner,
             lease_ms,
             self._now(),
-            "1" if honour_done else "0",
+            records,
             "" if limit is None else limit,
             given_up_ttl_ms,
         ]

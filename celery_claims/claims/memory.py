@@ -27,6 +27,7 @@ from celery_claims.model import (
     Success,
     TookOver,
 )
+from celery_claims.runs import earlier_run, require_run
 from celery_claims.validation import (
     require_id,
     require_limit,
@@ -110,6 +111,7 @@ class MemoryClaimManager:
         honour_done: bool,
         max_takeovers: int | None = None,
         given_up_ttl_ms: int = DEFAULT_GIVEN_UP_TTL_MS,
+        run: int | None = None,
     ) -> GateResult:
         require_id("queue_id", queue_id)
         require_id("task_id", task_id)
@@ -117,13 +119,17 @@ class MemoryClaimManager:
         require_ms("lease_ms", lease_ms)
         require_max_takeovers(max_takeovers)
         require_ms("given_up_ttl_ms", given_up_ttl_ms)
+        if run is not None:
+            require_run(run)
         queue = self._queue(queue_id)
         with queue.lock:
             now = self._clock()
             self._count(queue, attempts=1)
             if honour_done:
                 record = self._live_done(queue, task_id, now)
-                if record is not None:
+                # a record of an earlier run stays until this run's completion replaces it
+                new_run = isinstance(record, AlreadyDone) and earlier_run(record.owner, run)
+                if record is not None and not new_run:
                     return record
             current = queue.claims.get(task_id)
             previous_owner = None
@@ -280,6 +286,7 @@ class MemoryClaimManager:
         *,
         max_takeovers: int | None = None,
         given_up_ttl_ms: int = DEFAULT_GIVEN_UP_TTL_MS,
+        run: int | None = None,
     ) -> GateResult:
         """See :meth:`celery_claims.ClaimManager.claim_unless_done`."""
         return self._claim(
@@ -290,6 +297,7 @@ class MemoryClaimManager:
             honour_done=True,
             max_takeovers=max_takeovers,
             given_up_ttl_ms=given_up_ttl_ms,
+            run=run,
         )
 
     def mark_started(self, token: ClaimToken) -> None:

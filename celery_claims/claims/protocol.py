@@ -103,6 +103,7 @@ class ClaimManager(Protocol):
         *,
         max_takeovers: int | None = None,
         given_up_ttl_ms: int = DEFAULT_GIVEN_UP_TTL_MS,
+        run: int | None = None,
     ) -> GateResult:
         """Like ``claim``, but answer the task's record instead when it has a live one.
 
@@ -126,13 +127,19 @@ class ClaimManager(Protocol):
             lease_ms: the lease if the claim is granted.
             max_takeovers: takeovers granted before the task is given up, or ``None``.
             given_up_ttl_ms: how long a given-up record answers later copies (0: not kept).
+            run: the run asking (:mod:`celery_claims.runs`), or ``None``. A completion record
+                whose owner names an earlier run is not answered: the claim is made as if
+                there were none, and the record stays until this claim's completion
+                replaces it. Records of the same or a later run, records naming no run and
+                given-up records are answered as without it.
 
         Returns:
             ``Success``, ``TookOver``, ``AlreadyClaimed``, ``AlreadyDone`` or ``GivenUp``.
 
         Raises:
             InvalidArgument: as ``claim``; ``max_takeovers`` not ``None`` or an int >= 0 (a
-                bool is refused); ``given_up_ttl_ms`` out of range.
+                bool is refused); ``given_up_ttl_ms`` out of range; ``run`` not ``None`` or
+                an int in ``1..2**53-1``.
             BackendUnavailable: the claim store could not be reached.
         """
         ...

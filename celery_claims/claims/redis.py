@@ -334,6 +334,7 @@ class RedisClaimManager(ScriptRunner):
         *,
         max_takeovers: int | None = None,
         given_up_ttl_ms: int = DEFAULT_GIVEN_UP_TTL_MS,
+        run: int | None = None,
     ) -> GateResult:
         """See :meth:`celery_claims.ClaimManager.claim_unless_done`."""
         call = self.claim_call(
@@ -344,6 +345,7 @@ class RedisClaimManager(ScriptRunner):
             True,
             max_takeovers=max_takeovers,
             given_up_ttl_ms=given_up_ttl_ms,
+            run=run,
         )
         result = self.execute(call)
         assert not isinstance(result, RatedClaim)  # no rates were asked

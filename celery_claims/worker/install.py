@@ -7,6 +7,7 @@ from typing import Any
 from celery_claims.worker.delivery.guard import declare_request_key
 from celery_claims.worker.history import connect_history, history_connected
 from celery_claims.worker.publish.producer import connect_producer
+from celery_claims.worker.publish.runs import connect_runs
 from celery_claims.worker.settings import add_worker_options
 from celery_claims.worker.steps import Gate, History, LeaseKeeper, Sweep
 from celery_claims.worker.tasks import connect_schedule, register_cleanup_task
@@ -31,7 +32,8 @@ def install(app: Any) -> Any:
     before the app is configured. In every process of the app, producers included, each
     message it publishes is written to the claim store's publish journal
     (:mod:`celery_claims.worker.publish`; ``claims_journal``), so a message lost between the
-    broker and a worker is re-published.
+    broker and a worker is re-published, and each message of a canvas part carries a run of
+    its own (:mod:`celery_claims.worker.publish.runs`: a re-applied canvas is a new run).
 
     Args:
         app: the Celery app.
@@ -55,6 +57,7 @@ def install(app: Any) -> Any:
     add_worker_options(app)
     register_cleanup_task(app)
     connect_producer(app)
+    connect_runs()
     if not history_connected():
         # keep options a user set with an earlier connect_history(...) call
         connect_history()

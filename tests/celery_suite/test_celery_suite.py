@@ -25,11 +25,6 @@ pytestmark = [pytest.mark.celery_suite, pytest.mark.timeout(3600)]
 
 #: Tests of Celery's suite that pass on plain Celery and not under claims, and why.
 KNOWN: dict[str, str] = {
-    "test_canvas.py::test_chord::test_reapplying_frozen_chord_dispatches_body_again": (
-        "issue 30 item 11: a re-applied frozen chord re-uses its task ids; both header copies "
-        "are skipped as already done, report no part to the chord, and its body is never "
-        "published again (get() returns the first run's result; the count stays 1 == 2)"
-    ),
     "test_tasks.py::test_tasks::test_request_time_limits_none_when_not_configured": (
         "the guide's task_time_limit = 600: the task's request.time_limit is 600, not None"
     ),

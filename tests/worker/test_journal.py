@@ -18,16 +18,18 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, group
 from celery.worker import state as worker_state
 
 from celery_claims import InvalidArgument, RedisClaimManager
 from celery_claims.claims.journal import Held, RedisJournal
 from celery_claims.model import AlreadyClaimed
+from celery_claims.runs import with_run
 from celery_claims.worker import load_settings
 from celery_claims.worker.publish.envelope import Envelope
 from celery_claims.worker.publish.producer import PUBLISH_COUNTERS, connect_producer
 from celery_claims.worker.publish.recovery import JournalRecovery
+from celery_claims.worker.publish.runs import run_of
 from celery_claims.worker.signals import Counters
 from tests.servers import RedisServer, free_port
 from tests.worker.helpers import close_app, in_process_worker, make_app, wait_for
@@ -206,6 +208,37 @@ def test_recovery_drops_the_entry_of_a_task_recorded_done_without_republishing_i
     assert journal.entries(queue) == {}
     assert redis_client.llen(queue) == 0
     assert counters.get("journal_cleared") == 1
+
+
+@pytest.mark.parametrize("recorded", ["earlier run", "same run"])
+def test_recovery_republishes_a_later_run_of_a_canvas_part_an_earlier_run_completed(
+    app: Celery, journal: RedisJournal, claims: RedisClaimManager, redis_client: redis.Redis,
+    queue: str, recorded: str,
+) -> None:  # fmt: skip
+    # Given a journaled group member (a canvas part: its message carries a run) whose
+    # message is gone, and a completion record of an earlier run of it, or of its own run
+    group(app.tasks["t.echo"].s(1).set(task_id="j-run")).apply_async(ignore_result=True)
+    message = json.loads(redis_client.rpop(queue) or b"{}")
+    run = run_of(message["headers"])
+    assert run is not None
+    owner = with_run("w/1/a", run - 1 if recorded == "earlier run" else run)
+    claimed = claims.claim_unless_done(queue, "j-run:0:0", owner, 60_000)
+    assert claimed.token is not None
+    claims.complete(claimed.token, 60_000)
+    recovery, counters = _recovery(app, claims)
+
+    # When recovery looks at it once it is due
+    time.sleep(RECOVER_AFTER_MS / 1000)
+    republished = recovery.recover(queue)
+
+    # Then a later run is published again (it has not run); its own run's record clears it
+    if recorded == "earlier run":
+        assert republished == 1
+        assert json.loads(redis_client.rpop(queue) or b"{}")["headers"] == message["headers"]
+    else:
+        assert republished == 0
+        assert journal.entries(queue) == {}
+        assert counters.get("journal_cleared") == 1
 
 
 def test_recovery_puts_off_the_entry_of_a_task_a_live_claim_holds(

@@ -9,7 +9,10 @@
 -- ARGV[2] = owner (a keyed claim's names the attempt: see keyed_owner)
 -- ARGV[3] = lease in ms
 -- ARGV[4] = now in epoch ms, or '' for the server clock
--- ARGV[5] = '1': answer DONE / GIVEN_UP when a live record exists; '0': ignore records
+-- ARGV[5] = '1': answer DONE / GIVEN_UP when a live record exists; '0': ignore records;
+--           'r<run>' (base 36): as '1', but a completion record of an earlier run (its owner
+--           ends with '~r<a lower run>') is not answered: the claim is made as if there were
+--           none, a new run of the task (celery_claims/runs.py)
 -- ARGV[6] = the most takeovers granted to the task, or '' for no limit (and no counting).
 --           Counted: the takeover of the task's first claim, and of a takeover's claim whose
 --           holder marked its start (mark_started.lua); a holder that died between its
@@ -24,7 +27,11 @@ local now = now_ms(ARGV[4])
 -- attempts are counted first, whatever the outcome (the Rust AtomicClaimManager's order)
 redis.call('HINCRBY', KEYS[3], 'attempts', 1)
 
-if ARGV[5] == '1' then
+if ARGV[5] ~= '0' then
+  local run = nil
+  if string.byte(ARGV[5], 1) == 114 then -- 'r'
+    run = n36(string.sub(ARGV[5], 2))
+  end
   -- a keyed claim (ARGV[1] a key, the owner naming its attempt): the attempt's own record
   -- first (a copy of a finished attempt), then the key's (a key kept done for a while)
   local fields = {ARGV[1]}
@@ -37,7 +44,13 @@ if ARGV[5] == '1' then
     if raw then
       local r = parse_record(raw)
       if now < r.until_ms then
-        return {r.kind, r.number, r.at, owner_of(KEYS[5], r)}
+        local owner = owner_of(KEYS[5], r)
+        local recorded = r.kind == 7 and string.match(owner, '~r(%w+)$')
+        -- a record of an earlier run keeps its place (a copy of that run still finds it)
+        -- until this claim's own completion replaces it
+        if not (run and recorded and n36(recorded) < run) then
+          return {r.kind, r.number, r.at, owner}
+        end
       end
     end
   end

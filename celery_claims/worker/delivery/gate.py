@@ -37,6 +37,7 @@ from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
 from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
 from celery_claims.rates import Limit
+from celery_claims.runs import owner_run, with_run
 from celery_claims.worker.compat import (
     RequestHooks,
     fleet_rate_limits,
@@ -51,6 +52,7 @@ from celery_claims.worker.delivery.lifecycle import Lifecycle
 from celery_claims.worker.delivery.state import State
 from celery_claims.worker.identity import QueueResolver, attempt_of, claim_task_id, new_owner
 from celery_claims.worker.policy import is_exempt, time_limit_of
+from celery_claims.worker.publish.runs import run_of
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.transport.broker import BrokerRide
 from celery_claims.worker.transport.pipe import Pipe, consumer_pipe
@@ -147,7 +149,8 @@ class ClaimGate:
             # and the broker redelivers it
             logger.exception("Claim gate cannot read %s[%s]", request.name, request.id)
             return None
-        owner = new_owner(self.runtime.hostname)
+        # a canvas part's owner names its run, so its completion record does (runs.py)
+        owner = with_run(new_owner(self.runtime.hostname), run_of(request_fields(request)))
         lanes = self.runtime.lanes
         try:
             key = self._key_of(request, queue_id, task_key, owner)
@@ -245,6 +248,9 @@ class ClaimGate:
             given_up_ttl_ms=self.settings.done_ttl_ms,
             # a rated copy's first rate check goes in its claim's call (not on a Cluster)
             rate=self.life.rates.claim_part(limits),
+            # a later run of a canvas part is not turned away by an earlier run's record;
+            # a key's record is the key's, whatever the run
+            run=None if keyed else owner_run(owner),
         )
 
     # --- claims riding kombu's delivery transaction -----------------------------------------
@@ -285,7 +291,7 @@ class ClaimGate:
             if self.life.rates.needs_arguments(task, name, queue_id):
                 return None  # and a rate's key
             task_key = claim_task_id(task_id, attempt_of(headers))
-            owner = new_owner(self.runtime.hostname)
+            owner = with_run(new_owner(self.runtime.hostname), run_of(headers))
             limits = self.life.rates.unkeyed_limits(task, name, queue_id)
             call = self._claim_call(queue_id, task_key, owner, lease_ms, limits=limits)
             pre = _Preclaim(owner, queue_id, task_key, lease_ms, call)

@@ -23,6 +23,7 @@ from celery_claims.worker.compat import close_with, wrap_send_task, wrap_task_se
 from celery_claims.worker.identity import QueueResolver
 from celery_claims.worker.policy import is_exempt
 from celery_claims.worker.publish.envelope import Envelope
+from celery_claims.worker.publish.runs import stamp
 from celery_claims.worker.settings import ClaimsSettings, load_settings
 from celery_claims.worker.signals import Counters
 from celery_claims.worker.transport.publish import PublishRide
@@ -93,6 +94,9 @@ def _on_before_publish(
         if is_exempt(task, name):
             capture.exempt = True
             return
+        # the run first (whichever receiver runs first gives it): the entry keeps it, so a
+        # re-published copy is the same run
+        stamp(headers, body)
         serializer = (
             capture.serializer
             or getattr(task, "serializer", None)

@@ -11,7 +11,10 @@ from celery.utils.log import get_logger
 from celery_claims.claims.journal import JournalEntry, RedisJournal
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import ClaimError
+from celery_claims.model import AlreadyDone, GivenUp
+from celery_claims.runs import earlier_run, owner_run
 from celery_claims.worker.publish.envelope import Envelope
+from celery_claims.worker.publish.runs import run_of
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.signals import Counters
 
@@ -90,7 +93,8 @@ class JournalRecovery:
 
     def _recover_one(self, entry: JournalEntry) -> str:
         queue_id, task_key = entry.queue_id, entry.task_id
-        if self.manager.done_record(queue_id, task_key) is not None:
+        record = self.manager.done_record(queue_id, task_key)
+        if record is not None and not self._later_run(entry, record):
             # done or given up: nothing to recover (the entry's clear was lost, or is coming)
             self.counters.incr("journal_cleared")
             return "done"
@@ -136,6 +140,18 @@ class JournalRecovery:
             self.settings.journal_recover_after_ms / 1000,
         )
         return "republished"
+
+    @staticmethod
+    def _later_run(entry: JournalEntry, record: AlreadyDone | GivenUp) -> bool:
+        """True when ``entry``'s message is a later run of a canvas part than the one whose
+        completion ``record`` is (a re-applied canvas: publish/runs.py): not done yet."""
+        if not isinstance(record, AlreadyDone) or owner_run(record.owner) is None:
+            return False  # a plain task's record, or a given-up one: the message is not read
+        try:
+            headers = Envelope.loads(entry.message).headers
+        except ValueError:
+            return False  # unreadable: the record decides, as before
+        return earlier_run(record.owner, run_of(headers))
 
     def publish(self, envelope: Envelope) -> None:
         """Publish ``envelope``'s message again, as it was (same id, headers and body)."""
