@@ -67,23 +67,36 @@ def test_the_script_benchmark_quick_mode_measures_each_script_and_the_kept_call(
 
 
 def test_the_rate_benchmark_quick_mode_measures_each_rate_call_against_the_claim() -> None:
-    # Given the rate benchmark in quick mode (it asserts each call was allowed or refused as
-    # its variant says)
+    # Given the rate benchmark in quick mode (it asserts each call was granted, allowed or
+    # refused as its variant says)
     args = [sys.executable, "bench/rates.py", "--quick"]
 
     # When it runs
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=110, check=False)
 
-    # Then it printed the claim's server time and each rate variant's against it, the lane
-    # pass's, and a rated claim and a rated lane pass against the plain ones, naming its server
+    # Then it printed, naming its server, the claim's server time and that of each folded call
+    # (claim_rated.lua) and each rate call of its own (rate.lua) against it, the lane pass's,
+    # and a rated start against a plain one as the worker sends it: folded, and on a Cluster
+    # a claim and a rate call; in a lane, the same with the lane pass
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("server: "), done.stdout
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("  ")]
     assert [line[0] for line in lines] == [
-        "floor", "claim", "rate1", "rate1-refused", "rate3", "lane", "claim", "lane"
+        "floor", "claim", "claim_rated1", "claim_rated1-refused", "claim_rated3",
+        "rate1", "rate1-refused", "rate3", "lane",
+        "claim_rated1", "claim", "claim_rated1", "claim",
     ]  # fmt: skip
-    assert all(line[-1] == "claim)" and line[-2].endswith("x") for line in lines[2:5])
-    assert [line[-2:] for line in lines[6:]] == [["claim", "alone)"], ["lane", "alone)"]]
+    assert all(line[-1] == "claim)" and line[-2].endswith("x") for line in lines[2:8])
+    rated = [" ".join(line[: line.index("=")]) for line in lines[9:]]
+    assert rated == [
+        "claim_rated1",
+        "claim + rate1",
+        "claim_rated1 + lane",
+        "claim + rate1 + lane",
+    ]
+    bases = [" ".join(line[line.index("=") + 3 :]) for line in lines[9:]]
+    assert bases == ["claim alone)", "claim alone)", "claim + lane)", "claim + lane)"]
+    assert all(line[line.index("=") + 2].endswith("x") for line in lines[9:])
 
 
 @pytest.mark.slow
