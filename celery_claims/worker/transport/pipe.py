@@ -387,13 +387,18 @@ class StorePipe:
         if not self._deferred:
             return []
         deferred, self._deferred = self._deferred, []
+        now = time.monotonic()
+        if len(deferred) == 1:
+            # the idle loop's case: alone, its own script, as submit sends it
+            call, callback = deferred[0]
+            item = _Pending(call, callback, now, 0)
+            return self._enqueue(item, load=call.script.sha not in self._loaded)
         groups: dict[tuple[str, str], list[_Deferred]] = {}
         for call, callback in deferred:
             assert call.many is not None
             groups.setdefault((call.many.script.sha, call.many.keys[0]), []).append(
                 (call, callback)
             )
-        now = time.monotonic()
         commands: list[tuple[Any, ...]] = []
         for group in groups.values():
             for start in range(0, len(group), MANY_MAX_CALLS):
@@ -469,8 +474,9 @@ class StorePipe:
         buffer = getattr(connection._parser, "_buffer", None)  # redis-py's Python parser
         unread = getattr(buffer, "unread_bytes", None)
         if unread is None:
-            # another parser (hiredis): its can_read looks at what it holds first
-            return bool(probe and connection.can_read(timeout=0))
+            # another parser (hiredis, which reads ahead): its can_read looks at what it
+            # holds first, then at the socket
+            return bool(connection.can_read(timeout=0))
         sock = self._sock
         if unread() or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
             return True

@@ -111,12 +111,17 @@ def pack_commands(commands: list[tuple[Any, ...]], conn: Any) -> list[bytes]:
     for command in commands:
         out.append(b"*%d\r\n" % len(command))
         for arg in command:
-            if isinstance(arg, str):
+            kind = type(arg)  # exact types first: half the time of isinstance's chain
+            if kind is str:
+                data = arg.encode(encoding, errors)
+            elif kind is int:
+                data = b"%d" % arg
+            elif kind is bytes:
+                data = arg
+            elif isinstance(arg, str):
                 data = arg.encode(encoding, errors)
             elif isinstance(arg, bytes):
                 data = arg
-            elif type(arg) is int:
-                data = b"%d" % arg
             else:
                 return list(conn.pack_commands(commands))
             out.append(b"$%d\r\n%s\r\n" % (len(data), data))
