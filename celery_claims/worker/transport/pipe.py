@@ -468,9 +468,14 @@ class StorePipe:
             probe = each_time
 
     def _received(self, *, probe: bool) -> bool:
-        """True if a reply (or the store's close) is there to read: held by redis-py's parser
-        (or by TLS), or, if ``probe``, in the socket."""
+        """True if a reply (or the store's close) is there to read: in the socket, if
+        ``probe``, or held by redis-py's parser (or by TLS)."""
         connection = self.connection
+        polled = probe and self._pending and self._poll is not None
+        if polled and self._poll.poll(0):
+            # one poll(2), where can_read sets the socket's timeout twice around a recv(2):
+            # read_response then reads what came (a store's close, too, ends it there)
+            return True
         buffer = getattr(connection._parser, "_buffer", None)  # redis-py's Python parser
         unread = getattr(buffer, "unread_bytes", None)
         if unread is None:
@@ -480,13 +485,9 @@ class StorePipe:
         sock = self._sock
         if unread() or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
             return True
-        if not probe:
+        if polled or not probe:
             return False
-        if self._pending and self._poll is not None:
-            # one poll(2), where can_read sets the socket's timeout twice around a recv(2):
-            # read_response then reads what came (a store's close, too, ends it there)
-            return bool(self._poll.poll(0))
-        # nothing asked for: can_read raises if the store closed the connection
+        # nothing asked for (or no poll): can_read raises if the store closed the connection
         return bool(connection.can_read(timeout=0))
 
     def _wait_until(self, done: Callable[[], bool]) -> None:
