@@ -15,7 +15,10 @@ without blocking the consumer's event loop:
 - the socket is registered on the consumer's event loop (``hub.add_reader``, as kombu's
   Redis transport registers its ``BRPOP`` socket), and when it is readable the replies that
   came are read and handed to their calls' callbacks, in the order the calls were sent
-  (RESP replies are ordered);
+  (RESP replies are ordered): a ``poll(2)`` before the first, then those redis-py's parser
+  already holds (replies still in the socket make it readable again: the hub polls
+  level-triggered); a reply nobody asked for drops the connection. Calls are packed by the
+  package's packer (:func:`~celery_claims.worker.transport.sender.pack_commands`);
 - one entry on the hub's timer, due when the oldest call's reply is overdue, fails every
   waiting call with :class:`~celery_claims.errors.BackendUnavailable` and drops the
   connection; the gate holds such copies (fails closed) and claims them again later.
