@@ -27,8 +27,8 @@ another checkout (``git worktree add TREE <commit>``), worker and producer, in t
 uses it on a solo pool: a claim and its completion record, each deferred and its reply read
 by a kombu hub's turns, ``--tasks`` times in a process under callgrind, less the same process
 doing none (its start); the instructions of one claim and one record, with the building of
-their calls. A second a figure, where a worker's takes minutes; ``--baseline`` adds the same
-from another checkout.
+their calls. Under a minute a checkout, where a worker's figures take minutes; ``--baseline``
+adds the same from another checkout.
 """
 
 from __future__ import annotations
