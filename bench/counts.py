@@ -3,6 +3,7 @@
     python bench/counts.py [--tasks 200] [--pools solo,prefork]
                            [--variants plain,ride0,claims,claims-sep] [--baseline TREE]
                            [--no-callgrind]
+    python bench/counts.py --pipe [--tasks 1000] [--baseline TREE]
 
 Wall-clock ratios (``bench/celery_overhead.py``) move with whatever else runs on a shared
 machine; these counts do not. For each pool and variant (those of ``bench/overhead_app.py``),
@@ -21,6 +22,13 @@ store of ``claims-sep``) drains a batch of no-op tasks, and this prints, per mes
 
 ``--baseline TREE`` adds ``claims-base`` and ``claims-sep-base``: the same variants run from
 another checkout (``git worktree add TREE <commit>``), worker and producer, in the same run.
+
+``--pipe`` counts the consumer's pipe alone (``worker/transport/pipe.py``), as a store apart
+uses it on a solo pool: a claim and its completion record, each deferred and its reply read
+by a kombu hub's turns, ``--tasks`` times in a process under callgrind, less the same process
+doing none (its start); the instructions of one claim and one record, with the building of
+their calls. Under a minute a checkout, where a worker's figures take minutes; ``--baseline``
+adds the same from another checkout.
 """
 
 from __future__ import annotations
@@ -173,6 +181,56 @@ def measure(
     return {"commands": commands, "instructions": instructions}
 
 
+#: ``--pipe``: ``n`` claims and records through a ``StorePipe`` on a kombu hub, on the store at
+#: ``url`` under key ``prefix`` (``python -c PIPE_RUN n url prefix``, run from the checkout
+#: measured: its ``celery_claims``).
+PIPE_RUN = """
+import sys
+from kombu.asynchronous import Hub
+from celery_claims import RedisClaimManager
+from celery_claims.connection import connect
+from celery_claims.worker.transport.pipe import StorePipe
+
+n, url, prefix = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+manager = RedisClaimManager(client=connect(url, timeout_s=5), prefix=prefix)
+hub = Hub()
+pipe = StorePipe.for_manager(manager, hub)
+box = []
+
+def settled(call):
+    pipe.defer(call, box.append)
+    while not box:
+        hub.run_once()
+    return box.pop()
+
+# the first calls connect and load the scripts: the same in the run of none
+for i in range(-20, n):
+    claim = settled(manager.claim_call("q", f"t{i}", "w@h/1/n", 30_000))
+    assert settled(manager.record_call(claim.token, 60_000)) is True
+pipe.close()
+hub.close()
+"""
+
+
+def pipe_instructions(tree: Path, n: int, url: str, logs: Path) -> float:
+    """Instructions per claim and record through the pipe (``PIPE_RUN``), run from ``tree``:
+    the run of ``n`` less the run of none."""
+    totals = []
+    for count in (0, n):
+        out = logs / f"callgrind.pipe.{tree.name}.{count}"
+        subprocess.run(
+            [
+                "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+                sys.executable, "-c", PIPE_RUN, str(count), url, out.name.replace(".", "-"),
+            ],
+            cwd=tree, env=overhead.tree_env(tree), check=True, capture_output=True,
+        )  # fmt: skip
+        found = re.search(r"^(?:summary|totals): (\d+)", out.read_text(), re.MULTILINE)
+        assert found, f"no totals in {out}"
+        totals.append(int(found.group(1)))
+    return (totals[1] - totals[0]) / n
+
+
 def scripts(per: dict[str, float]) -> float:
     return sum(v for k, v in per.items() if k.startswith("EVAL"))
 
@@ -184,7 +242,19 @@ def main() -> None:
     parser.add_argument("--variants", default="plain,ride0,claims,claims-sep")
     parser.add_argument("--baseline", type=Path, help="a checkout of an earlier commit")
     parser.add_argument("--no-callgrind", action="store_true")
+    parser.add_argument("--pipe", action="store_true", help="the consumer's pipe alone")
     opts = parser.parse_args()
+    if opts.pipe:
+        if shutil.which("valgrind") is None:
+            parser.error("valgrind is not on PATH")
+        logs = Path(tempfile.mkdtemp(prefix="bench-counts-"))
+        n = 1000 if opts.tasks == 200 else opts.tasks
+        trees = [ROOT] + ([opts.baseline.resolve()] if opts.baseline is not None else [])
+        with overhead.private_redis() as url:
+            for tree in trees:
+                per = pipe_instructions(tree, n, url, logs)
+                print(f"pipe, {n} claims and records, {tree}: {per / 1000:,.0f}k instr a pair")
+        return
     callgrind = not opts.no_callgrind
     if callgrind and shutil.which("valgrind") is None:
         parser.error("valgrind is not on PATH (or pass --no-callgrind)")

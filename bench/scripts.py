@@ -50,7 +50,7 @@ sys.path.insert(0, str(TREE))
 from bench.overhead_app import RIDE0_CLAIM, RIDE0_DONE  # noqa: E402
 from celery_claims import RedisClaimManager  # noqa: E402
 from celery_claims.demo.runner import private_redis  # noqa: E402
-from celery_claims.worker.transport.sender import ScriptCaller, _commands, _pack  # noqa: E402
+from celery_claims.worker.transport.sender import ScriptCaller, _commands, pack_commands  # noqa: E402
 
 #: Writes the sources a checkout registers, as JSON {name: source}; run with that checkout first
 #: on sys.path (an earlier commit had ``claims/redis.py``'s ``_source``, not ``scripts.py``, and
@@ -138,7 +138,7 @@ def measure_ride0(client: redis.Redis, ops: int) -> dict[str, float]:
 
 
 class _Utf8:
-    """What ``sender._pack`` reads of a connection: its encoder."""
+    """What ``sender.pack_commands`` reads of a connection: its encoder."""
 
     class encoder:  # the attribute's name in redis-py
         encoding, encoding_errors = "utf-8", "strict"
@@ -172,7 +172,9 @@ def client_cpu(url: str, ops: int) -> dict[str, float]:
     kwargs = pool.connection_kwargs
     sock = socket.create_connection((kwargs["host"], kwargs["port"]))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    packed = [_pack(_commands(c, {c.script.sha}), _Utf8)[0] for c in calls[2 * ops : 3 * ops]]
+    packed = [
+        pack_commands(_commands(c, {c.script.sha}), _Utf8)[0] for c in calls[2 * ops : 3 * ops]
+    ]
     start = time.process_time()
     for data in packed:
         sock.sendall(data)

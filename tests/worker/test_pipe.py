@@ -188,6 +188,40 @@ def test_replies_of_calls_sent_together_reach_their_own_calls(
     assert outcomes[5].owner == "worker-0/1/x"
 
 
+def test_a_reply_nobody_asked_for_drops_the_connection(
+    pipe: StorePipe, manager: RedisClaimManager, hub: Hub
+) -> None:
+    # Given a pipe that has sent a claim and read its reply
+    assert isinstance(pipe.call(manager.claim_call("q", "t1", OWNER, LEASE_MS)), Success)
+    assert registered(pipe, hub)
+    # When a reply comes that no call of the pipe asked for (a command sent behind its back)
+    pipe.connection.send_command("PING", check_health=False)
+    # Then the event loop drops the connection rather than read it as a later call's reply
+    run_loop(hub, lambda: not registered(pipe, hub), "the connection to be dropped")
+    # and the next call is sent on a new connection and gets its own reply
+    other = pipe.call(manager.claim_call("q", "t1", "worker-2/1/x", LEASE_MS))
+    assert isinstance(other, AlreadyClaimed)
+    assert registered(pipe, hub)
+
+
+def test_a_reply_nobody_asked_for_behind_the_awaited_ones_drops_the_connection(
+    pipe: StorePipe, manager: RedisClaimManager, hub: Hub
+) -> None:
+    # Given two claims on their way, and behind them a command the pipe did not send (its
+    # reply comes with theirs, in the same read as often as not)
+    outcomes: list[Any] = []
+    pipe.submit(manager.claim_call("q", "t1", OWNER, LEASE_MS), outcomes.append)
+    pipe.submit(manager.claim_call("q", "t2", OWNER, LEASE_MS), outcomes.append)
+    pipe.connection.send_command("PING", check_health=False)
+    # When the event loop reads the replies
+    run_loop(hub, lambda: not registered(pipe, hub), "the connection to be dropped")
+    # Then each claim got its own reply, and the one nobody asked for dropped the connection
+    assert [type(outcome) for outcome in outcomes] == [Success, Success]
+    assert pipe.waiting == 0
+    third = pipe.call(manager.claim_call("q", "t3", OWNER, LEASE_MS))
+    assert isinstance(third, Success)
+
+
 def test_completion_is_written_before_its_reply_is_read(
     pipe: StorePipe, manager: RedisClaimManager
 ) -> None:

@@ -286,3 +286,27 @@ def test_a_worker_runtime_given_a_manager_that_waits_for_replicas_keeps_it_on_it
     finally:
         runtime.close()
         app.close()
+
+
+class _Text(str):
+    """A ``str`` subclass (an enum's value, say): packed as its text."""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("EVALSHA", "a" * 40, 2, "{q}:claims", "{q}:done", "t-1", OWNER, 30_000, "", "1", 0, -5),
+        ("SET", b"k\x00\xff", "v\u00e9\u4e2d", _Text("t"), 2**70),
+        ("SET", "k", 1.5),  # a float: left to redis-py
+        ("SET", "k", memoryview(b"v")),
+    ],
+)
+def test_the_packer_writes_what_redis_pys_writes(args: tuple[object, ...]) -> None:
+    connection = redis.Connection()
+    packed = b"".join(sender.pack_commands([args, ("PING",)], connection))
+    assert packed == b"".join(connection.pack_commands([args, ("PING",)]))
+
+
+def test_the_packer_refuses_what_redis_py_refuses() -> None:
+    with pytest.raises(redis.DataError):
+        sender.pack_commands([("SET", "k", True)], redis.Connection())

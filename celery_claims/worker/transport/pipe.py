@@ -15,7 +15,10 @@ without blocking the consumer's event loop:
 - the socket is registered on the consumer's event loop (``hub.add_reader``, as kombu's
   Redis transport registers its ``BRPOP`` socket), and when it is readable the replies that
   came are read and handed to their calls' callbacks, in the order the calls were sent
-  (RESP replies are ordered);
+  (RESP replies are ordered): a ``poll(2)`` before the first, then those redis-py's parser
+  already holds (replies still in the socket make it readable again: the hub polls
+  level-triggered); a reply nobody asked for drops the connection. Calls are packed by the
+  package's packer (:func:`~celery_claims.worker.transport.sender.pack_commands`);
 - one entry on the hub's timer, due when the oldest call's reply is overdue, fails every
   waiting call with :class:`~celery_claims.errors.BackendUnavailable` and drops the
   connection; the gate holds such copies (fails closed) and claims them again later.
@@ -44,11 +47,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import select
 import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +64,7 @@ from celery_claims.claims.calls import MANY_MAX_CALLS, ScriptCall, many_call
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable, socket_of
 from celery_claims.errors import BackendError, BackendUnavailable, ClaimError
+from celery_claims.worker.transport.sender import pack_commands
 
 __all__ = ["ClusterPipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
 
@@ -70,6 +75,10 @@ Outcome = Any
 
 #: Takes over a call a Cluster node answered ``MOVED``: the error, the call, its callback.
 Redirect = Callable[[redis_errors.MovedError, ScriptCall[Any], Callable[[Outcome], None]], None]
+
+#: ``select.poll``, or None where the process has none (eventlet's monkey patching deletes it):
+#: the socket is then looked at with redis-py's ``can_read``.
+_POLL: Callable[[], Any] | None = getattr(select, "poll", None)
 
 #: Error replies that mean "the store cannot serve this now", not a bug. redis-py maps most of
 #: them to classes; ``BUSY`` (a script running too long) keeps its text.
@@ -158,6 +167,7 @@ class StorePipe:
         self._pending: deque[_Pending] = deque()
         self._sock: socket.socket | None = None  # the socket registered on the hub
         self._fd = -1
+        self._poll: Any = None  # a poll object with that socket registered
         self._seq = 0  # commands sent on this socket
         self._loaded: dict[str, int] = {}  # sha -> seq of its last SCRIPT LOAD on this socket
         self._deadline: Any = None
@@ -213,9 +223,9 @@ class StorePipe:
             StoreUnusable: the store refused the handshake (credentials, database, TLS).
         """
         self._connect()
-        packed = self._take_deferred()  # sent first: the store runs calls in the order given
+        commands = self._take_deferred()  # sent first: the store runs calls in the order given
         item = _Pending(call, callback, time.monotonic(), 0, resent=redirected)
-        self._send(packed + self._enqueue(item, load=call.script.sha not in self._loaded))
+        self._send(commands + self._enqueue(item, load=call.script.sha not in self._loaded))
         self._arm()
 
     def defer(self, call: ScriptCall[Any], callback: Callable[[Outcome], None]) -> None:
@@ -300,12 +310,18 @@ class StorePipe:
         if sock is None:
             raise BackendUnavailable("claim store unavailable: no socket after connecting")
         self._sock, self._fd = sock, sock.fileno()
+        self._poll = None
+        if _POLL is not None:
+            # a poll object of its own per socket: a closed socket cannot be unregistered
+            self._poll = _POLL()
+            self._poll.register(sock, select.POLLIN)
         self._seq = 0
         self._loaded.clear()
         self.hub.add_reader(self._fd, self._on_readable)
 
     def _broken(self, error: BaseException) -> None:
         sock, self._sock = self._sock, None
+        self._poll = None
         if sock is not None:
             # off the hub before the socket closes: its number may be reused at once
             with contextlib.suppress(Exception):
@@ -332,26 +348,24 @@ class StorePipe:
 
     # --- sending and reading ----------------------------------------------------------------
 
-    def _enqueue(self, item: _Pending, *, load: bool) -> list[bytes]:
+    def _enqueue(self, item: _Pending, *, load: bool) -> list[tuple[Any, ...]]:
         """Queue ``item`` (after a ``SCRIPT LOAD`` of its script if ``load``) and return the
-        bytes to send; the replies come back in this order."""
+        commands to send; the replies come back in this order."""
         call = item.call
         assert call is not None
-        packed: list[bytes] = []
+        commands: list[tuple[Any, ...]] = []
         if load:
             # in the same write, and nobody waits for its reply: the call behind it finds the
             # script whatever the store's cache held
             self._seq += 1
             self._loaded[call.script.sha] = self._seq
             self._pending.append(_Pending(None, _ignore, item.sent_at, self._seq))
-            packed += self.connection.pack_command("SCRIPT", "LOAD", call.script.script)
+            commands.append(("SCRIPT", "LOAD", call.script.script))
         self._seq += 1
         item.seq = self._seq
         self._pending.append(item)
-        packed += self.connection.pack_command(
-            "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
-        )
-        return packed
+        commands.append(("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args))
+        return commands
 
     def _on_tick(self) -> None:
         """The hub's ``on_tick`` (just before the loop polls): send the deferred calls, unless
@@ -365,25 +379,30 @@ class StorePipe:
 
     def _flush(self) -> None:
         """Send every deferred call now (in one write)."""
-        packed = self._take_deferred()
-        if packed:
-            self._send(packed)
+        commands = self._take_deferred()
+        if commands:
+            self._send(commands)
             self._arm()
 
-    def _take_deferred(self) -> list[bytes]:
+    def _take_deferred(self) -> list[tuple[Any, ...]]:
         """Queue the deferred calls, those of one queue in ``claim_many`` calls, and return
-        the bytes to send."""
+        the commands to send."""
         if not self._deferred:
             return []
         deferred, self._deferred = self._deferred, []
+        now = time.monotonic()
+        if len(deferred) == 1:
+            # the idle loop's case: alone, its own script, as submit sends it
+            call, callback = deferred[0]
+            item = _Pending(call, callback, now, 0)
+            return self._enqueue(item, load=call.script.sha not in self._loaded)
         groups: dict[tuple[str, str], list[_Deferred]] = {}
         for call, callback in deferred:
             assert call.many is not None
             groups.setdefault((call.many.script.sha, call.many.keys[0]), []).append(
                 (call, callback)
             )
-        now = time.monotonic()
-        packed: list[bytes] = []
+        commands: list[tuple[Any, ...]] = []
         for group in groups.values():
             for start in range(0, len(group), MANY_MAX_CALLS):
                 part = group[start : start + MANY_MAX_CALLS]
@@ -393,8 +412,8 @@ class StorePipe:
                     call = many_call([call for call, _ in part])
                     callback = functools.partial(self._dispatch, part)
                 item = _Pending(call, callback, now, 0, calls=len(part))
-                packed += self._enqueue(item, load=call.script.sha not in self._loaded)
-        return packed
+                commands += self._enqueue(item, load=call.script.sha not in self._loaded)
+        return commands
 
     def _dispatch(self, parts: list[_Deferred], outcome: Outcome) -> None:
         """Hand each call of a ``claim_many`` call its own reply (or the call's error)."""
@@ -407,10 +426,14 @@ class StorePipe:
         for _, callback in parts:
             self._deliver(callback, outcome)
 
-    def _send(self, packed: Iterable[bytes]) -> None:
+    def _send(self, commands: list[tuple[Any, ...]]) -> None:
+        """Write ``commands`` in one write (packed by the package's packer, as a pool
+        process's calls are: a third of redis-py's packing)."""
+        connection = self.connection
         try:
+            packed = pack_commands(commands, connection)
             # no health check here: a PING's reply would be read as a waiting call's
-            self.connection.send_packed_command(list(packed), check_health=False)
+            connection.send_packed_command(packed, check_health=False)
         except (redis_errors.RedisError, OSError) as exc:
             self._broken(exc)
 
@@ -423,13 +446,19 @@ class StorePipe:
             logger.exception("Claim store pipe: reading replies failed")
             self._broken(exc)
 
-    def _read_ready(self) -> None:
-        """Deliver every reply already received, without waiting for more."""
+    def _read_ready(self, *, each_time: bool = False) -> None:
+        """Deliver every reply already received, without waiting for more.
+
+        The socket is looked at before the first reply only, unless ``each_time``: from the
+        event loop, replies still in the socket after the first make it readable again (the
+        hub polls level-triggered), and those the parser holds are found without a system
+        call. Elsewhere (the overdue check) every reply that came is read now.
+        """
         sock = self._sock
+        probe = True
         while sock is not None and self._sock is sock:
             try:
-                # also true for replies already buffered by the parser (hiredis reads ahead)
-                ready = self.connection.can_read(timeout=0)
+                ready = self._received(probe=probe)
             except (redis_errors.RedisError, OSError) as exc:
                 self._broken(exc)  # closed by the store, or reset
                 return
@@ -439,6 +468,30 @@ class StorePipe:
                 self._broken(redis_errors.InvalidResponse("a reply nobody asked for"))
                 return
             self._read_one()
+            probe = each_time
+
+    def _received(self, *, probe: bool) -> bool:
+        """True if a reply (or the store's close) is there to read: in the socket, if
+        ``probe``, or held by redis-py's parser (or by TLS)."""
+        connection = self.connection
+        polled = probe and self._pending and self._poll is not None
+        if polled and self._poll.poll(0):
+            # one poll(2), where can_read sets the socket's timeout twice around a recv(2):
+            # read_response then reads what came (a store's close, too, ends it there)
+            return True
+        buffer = getattr(connection._parser, "_buffer", None)  # redis-py's Python parser
+        unread = getattr(buffer, "unread_bytes", None)
+        if unread is None:
+            # another parser (hiredis, which reads ahead): its can_read looks at what it
+            # holds first, then at the socket
+            return bool(connection.can_read(timeout=0))
+        sock = self._sock
+        if unread() or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
+            return True
+        if polled or not probe:
+            return False
+        # nothing asked for (or no poll): can_read raises if the store closed the connection
+        return bool(connection.can_read(timeout=0))
 
     def _wait_until(self, done: Callable[[], bool]) -> None:
         while not done() and self._pending and self._sock is not None:
@@ -507,7 +560,7 @@ class StorePipe:
             if self._sock is None or not self._pending:
                 return
             # replies that came while the loop was busy (a solo pool's task) are not late
-            self._read_ready()
+            self._read_ready(each_time=True)
             if self._pending and time.monotonic() - self._pending[0].sent_at >= self.timeout_s:
                 self._broken(TimeoutError(f"no reply in {self.timeout_s:.1f} s"))
             else:

@@ -40,7 +40,7 @@ from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import socket_of
 from celery_claims.errors import BackendUnavailable, InvalidArgument
 
-__all__ = ["ScriptCaller", "ScriptSender", "keep_calls", "usable"]
+__all__ = ["ScriptCaller", "ScriptSender", "keep_calls", "pack_commands", "usable"]
 
 
 #: ``select.poll``, or None where the process has none: eventlet's monkey patching deletes it
@@ -101,7 +101,7 @@ def _commands(call: ScriptCall[Any], loaded: set[str]) -> list[tuple[Any, ...]]:
     return [("SCRIPT", "LOAD", call.script.script), evalsha]
 
 
-def _pack(commands: list[tuple[Any, ...]], conn: Any) -> list[bytes]:
+def pack_commands(commands: list[tuple[Any, ...]], conn: Any) -> list[bytes]:
     """``commands`` in RESP for ``conn.send_packed_command``, as redis-py's
     ``pack_commands`` writes them, in a third of its time, for the arguments a script call
     has (str, bytes, int); anything else is left to redis-py (which refuses what Redis
@@ -111,12 +111,17 @@ def _pack(commands: list[tuple[Any, ...]], conn: Any) -> list[bytes]:
     for command in commands:
         out.append(b"*%d\r\n" % len(command))
         for arg in command:
-            if isinstance(arg, str):
+            kind = type(arg)  # exact types first: half the time of isinstance's chain
+            if kind is str:
+                data = arg.encode(encoding, errors)
+            elif kind is int:
+                data = b"%d" % arg
+            elif kind is bytes:
+                data = arg
+            elif isinstance(arg, str):
                 data = arg.encode(encoding, errors)
             elif isinstance(arg, bytes):
                 data = arg
-            elif type(arg) is int:
-                data = b"%d" % arg
             else:
                 return list(conn.pack_commands(commands))
             out.append(b"$%d\r\n%s\r\n" % (len(data), data))
@@ -182,7 +187,7 @@ class ScriptSender:
                 conn = self._connection(client)
                 self._read_arrived(conn)
                 commands = _commands(call, self._loaded)
-                conn.send_packed_command(conn.pack_commands(commands))
+                conn.send_packed_command(pack_commands(commands, conn))
                 self._waiting.extend([None] * (len(commands) - 1) + [on_reply or self.on_reply])
                 if len(self._waiting) > self.max_unread:
                     self._catch_up(conn)
@@ -378,7 +383,7 @@ class _Kept:
         conn = self.conn
         script = _commands(call, self.loaded)  # [SCRIPT LOAD,] EVALSHA
         sent = [*script[:-1], ("MULTI",), *commands, script[-1], ("EXEC",)]
-        conn.send_packed_command(_pack(sent, conn))
+        conn.send_packed_command(pack_commands(sent, conn))
         replies = self._read(len(sent))
         if len(script) == 2 and isinstance(replies[0], redis.ResponseError):
             self.loaded.discard(call.script.sha)  # not loaded after all
@@ -436,7 +441,7 @@ class _Kept:
         first error."""
         conn = self.conn
         commands = _commands(call, self.loaded)
-        conn.send_packed_command(_pack(commands, conn))
+        conn.send_packed_command(pack_commands(commands, conn))
         replies = self._read(len(commands))
         if len(replies) == 2 and isinstance(replies[0], redis.ResponseError):
             self.loaded.discard(call.script.sha)  # not loaded after all
