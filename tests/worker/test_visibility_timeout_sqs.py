@@ -16,11 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from celery import Celery
 
 from celery_claims.observe import History
 from tests.servers import MotoServer, RedisServer, redis_server
 from tests.worker.helpers import wait_for
-from tests.worker.processes import Fleet, events_of, executions
+from tests.worker.processes import Fleet, Proc, events_of, executions
 
 #: The queue's visibility timeout, in seconds (SQS counts whole seconds).
 VISIBILITY_TIMEOUT_S = 5
@@ -80,24 +81,31 @@ def durable_redis() -> Iterator[RedisServer]:
         yield server
 
 
-def test_claims_worker_acking_at_claim_takes_a_task_longer_than_the_timeout_off_sqs_once(
-    fleet: Fleet, private_sqs: MotoServer, durable_redis: RedisServer, queue: str
-) -> None:
-    # Given a worker with celery-claims acking at claim (claims in a private Redis) on SQS
-    # whose messages stay hidden 5 s after they are received, and a claims-aware producer
-    store = durable_redis.url
-    conf = {"broker_transport_options": transport_options(private_sqs)}
+def _acking_at_claim(fleet: Fleet, sqs: MotoServer, store: str, queue: str) -> tuple[Proc, Celery]:
+    """A worker acking at claim on ``sqs`` (claims in ``store``), ready, and a claims-aware
+    producer."""
+    conf = {"broker_transport_options": transport_options(sqs)}
     worker = fleet.worker(
         "a",
-        broker=private_sqs.url,
+        broker=sqs.url,
         backend=store,
         queue=queue,
         extra=("--claims-redis-url", store, "--claims-ack-on-claim", "true"),
         env={"CLAIMS_TEST_CONF": json.dumps(conf)},
     ).wait_ready()
     client = fleet.client(
-        private_sqs.url, store, queue, plugin=True, conf={**conf, "claims_redis_url": store}
+        sqs.url, store, queue, plugin=True, conf={**conf, "claims_redis_url": store}
     )
+    return worker, client
+
+
+def test_claims_worker_acking_at_claim_takes_a_task_longer_than_the_timeout_off_sqs_once(
+    fleet: Fleet, private_sqs: MotoServer, durable_redis: RedisServer, queue: str
+) -> None:
+    # Given a worker with celery-claims acking at claim (claims in a private Redis) on SQS
+    # whose messages stay hidden 5 s after they are received, and a claims-aware producer
+    store = durable_redis.url
+    worker, client = _acking_at_claim(fleet, private_sqs, store, queue)
 
     # When it runs a task three times longer than that
     result = client.send_task("fleet.sleep", (TASK_S,), task_id="long-1")
@@ -118,18 +126,7 @@ def test_a_duplicate_of_a_task_acked_at_claim_is_deleted_unrun_while_it_runs_on_
     # Given a worker acking at claim on SQS (messages hidden 5 s once received), running a
     # task three times longer than that, published by a claims-aware producer
     store = durable_redis.url
-    conf = {"broker_transport_options": transport_options(private_sqs)}
-    worker = fleet.worker(
-        "a",
-        broker=private_sqs.url,
-        backend=store,
-        queue=queue,
-        extra=("--claims-redis-url", store, "--claims-ack-on-claim", "true"),
-        env={"CLAIMS_TEST_CONF": json.dumps(conf)},
-    ).wait_ready()
-    client = fleet.client(
-        private_sqs.url, store, queue, plugin=True, conf={**conf, "claims_redis_url": store}
-    )
+    worker, client = _acking_at_claim(fleet, private_sqs, store, queue)
     result = client.send_task("fleet.sleep", (TASK_S,), task_id="long-dup")
     wait_for(
         lambda: events_of(executions(store, queue), "start", "long-dup"),
