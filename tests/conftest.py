@@ -114,8 +114,11 @@ def _no_join_block_left_behind() -> Iterator[None]:
 def _machine_service(item: pytest.Item) -> str | None:
     """The machine's shared service ``item`` uses whose names are one namespace for every
     test process (``rabbitmq``: worker node names and their exclusive pidbox queues, queue
-    names; ``postgres``: the lane tables of database ``test``), or None."""
-    if item.get_closest_marker("rabbitmq") is not None:
+    names; ``postgres``: the lane tables of database ``test``), or None. A test on a RabbitMQ
+    node of its own (``private_rabbitmq``) shares nothing and stays in its module's group."""
+    if item.get_closest_marker("rabbitmq") is not None and "private_rabbitmq" not in getattr(
+        item, "fixturenames", ()
+    ):
         return "rabbitmq"
     if item.get_closest_marker("postgres") is not None:
         return "postgres"
@@ -135,11 +138,16 @@ def _source(path: str) -> str:
     return _SOURCES[path]
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``-n``, ``--dist loadgroup``): a module's tests run in one process,
     one after another (its module fixtures start once), and every test that uses the
     machine's RabbitMQ or PostgreSQL runs in one process too, so no two of them share a
-    worker name or a table at once. Without xdist the marks do nothing."""
+    worker name or a table at once. Without xdist the marks do nothing.
+
+    ``tryfirst``: xdist's own hook reads the marks to name each test's group; it must find
+    them there (run after it, the marks were ignored and a module's tests were spread over
+    both processes: CI once saw two workers named ``a@vm`` on the machine's RabbitMQ)."""
     for item in items:
         group = _machine_service(item) or getattr(item.module, "__name__", item.nodeid)
         item.add_marker(pytest.mark.xdist_group(group))
