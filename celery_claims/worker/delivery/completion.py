@@ -18,7 +18,7 @@ from celery.utils.log import get_logger
 from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
 from celery_claims.worker.delivery.copy import Copy
 from celery_claims.worker.delivery.endings import Endings
-from celery_claims.worker.delivery.guard import records_left_to_worker
+from celery_claims.worker.delivery.guard import records_after_trace, records_left_to_worker
 from celery_claims.worker.delivery.losses import Losses
 from celery_claims.worker.delivery.registry import Registry
 from celery_claims.worker.delivery.state import State
@@ -87,7 +87,11 @@ class Completion:
                 # it here: written from this process (it recognises a record already there)
                 self.record(copy, "succeeded", celery_handler)
             return
-        if copy.guarded and not (self.w.records_left and records_left_to_worker(copy.request)):
+        if (
+            copy.guarded
+            and not (self.w.records_left and records_left_to_worker(copy.request))
+            and not records_after_trace(copy.request)
+        ):
             # the pool process recorded the completion before the result was stored
             self.ends.leave_pool(copy, State.DONE, "succeeded")
             self.w.recent.add(copy.token)
@@ -95,7 +99,8 @@ class Completion:
             celery_handler()
             self.w.on_gone(copy.queue_id, copy.task_key, True)
             return
-        # an unguarded task, or one whose pool process left the record to this process
+        # an unguarded task, one whose pool process left the record to this process, or a
+        # canvas part (its pool process may have recorded it after the trace, or not)
         self.record(copy, "succeeded", celery_handler, on_pipe=True)
 
     def _ride(self, copy: Copy, celery_handler: Callable[[], object]) -> bool:

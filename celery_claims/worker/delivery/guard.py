@@ -28,6 +28,16 @@ wrapper runs in the process that runs the body:
   prefixed) and the lease handed to the pool cannot have run out does a prefork pool
   process send the record without waiting for its reply. Either way a main process paused
   or killed before its ack cannot let the task run again;
+- a **canvas part** (a copy with a chain's next step, callbacks or a chord to report, which
+  other tasks wait on) is recorded after Celery's trace instead: after the body, the same
+  check as before it (a stale copy sends nothing); the trace sends the next steps, stores the
+  result and reports the part; then, at ``task_postrun``, a prefork pool process records the
+  completion and waits for it, and the worker records it again before its ack (the record
+  counts once). A worker killed between the body and the record lets the part run again, as
+  a crash in its body would (its effects guarded as any body's), never leaves a chord or a
+  chain waiting on a part recorded done but never reported; the steps the trace sends are of
+  the part's run (``publish/runs.py``, :func:`~celery_claims.worker.publish.runs.inherit`),
+  so those a part run again sends are turned away;
 - after the body raised, the same check as before the body.
 
 A store that does not answer is waited for (bounded by ``claims_start_timeout_ms``), then
@@ -46,18 +56,21 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from celery import current_task
+from celery import current_task, states
 from celery.app.task import Context, Task
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
+from celery.signals import task_postrun
 from celery.utils.log import get_logger
 
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
 from celery_claims.fencing import TaskClaim
+from celery_claims.runs import owner_run
 from celery_claims.worker.compat import request_fields
 from celery_claims.worker.delivery.verdict import Verdict, record_done, recover
 from celery_claims.worker.policy import is_exempt
+from celery_claims.worker.publish import runs
 from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.transport.sender import ScriptCaller, ScriptSender, keep_calls, usable
 from celery_claims.worker.transport.store import new_manager
@@ -72,6 +85,7 @@ __all__ = [
     "guard_tasks",
     "is_guarded",
     "nothing_after_body",
+    "records_after_trace",
     "records_left_to_worker",
 ]
 
@@ -87,6 +101,9 @@ SETTLE_KEY = "claims_settle"
 
 #: Attribute marking a task whose ``run`` is already wrapped.
 _GUARDED = "_celery_claims_guarded"
+
+#: The ``task_postrun`` receiver of :func:`guard_tasks`, connected once a process.
+_POSTRUN_UID = "celery_claims.guard.record_after_trace"
 
 
 class StaleCopy(Ignore):  # type: ignore[misc]  # celery is untyped
@@ -132,7 +149,9 @@ class ClaimUnverified(Ignore):  # type: ignore[misc]  # celery is untyped
     - ``"start"``: the body never ran; the message goes back to the broker;
     - ``"failed"``: the body raised; the message goes back to the broker (it runs again);
     - ``"done"``: the body returned; the main process records the completion once the store
-      answers, and only then acknowledges the message.
+      answers, and only then acknowledges the message;
+    - ``"unreported"``: a canvas part's body returned, but nothing was sent or reported for
+      it; the message goes back to the broker (it runs again).
     """
 
     def __init__(self, message: str = "", phase: str = "start") -> None:
@@ -168,7 +187,7 @@ class _Verifier:
     ) -> None:
         self.settings = settings
         self.ack_records = ack_records
-        self._parent_pid = os.getpid()
+        self.parent_pid = os.getpid()
         self._parent_manager = manager
         self._manager: RedisClaimManager | None = None
         self._pid = -1
@@ -179,7 +198,7 @@ class _Verifier:
 
     def manager(self) -> RedisClaimManager:
         pid = os.getpid()
-        if pid == self._parent_pid:
+        if pid == self.parent_pid:
             return self._parent_manager
         with self._lock:
             if self._manager is None or self._pid != pid:
@@ -220,6 +239,7 @@ class _Verifier:
             and nothing_after_body(
                 task,
                 callbacks=request.callbacks,
+                chain=request.chain,
                 chord=request.chord,
                 ignore_result=getattr(request, "ignore_result", False),
             )
@@ -234,7 +254,7 @@ class _Verifier:
         result leaves the pool process, the record is on its way whatever happens to the main
         process after that. Best effort: where it cannot be sent, the ack records it.
         """
-        if os.getpid() == self._parent_pid:
+        if os.getpid() == self.parent_pid:
             return  # solo and threads pools: the body and the ack share one process
         manager = self.manager()
         try:
@@ -360,16 +380,19 @@ def _surely_held(claim: TaskClaim) -> bool:
     return time.time() * 1000 < claim.expires_at - claim.lease_ms // 4
 
 
-def nothing_after_body(task: Any, *, callbacks: Any, chord: Any, ignore_result: Any) -> bool:
+def nothing_after_body(
+    task: Any, *, callbacks: Any, chain: Any, chord: Any, ignore_result: Any
+) -> bool:
     """True if nothing Celery does after this task's body returns can fail the attempt.
 
-    What can: storing the result (a result backend outage), sending callbacks or a chord's
-    part, the task's own ``on_success``; and with early acks the message is gone already.
+    What can: storing the result (a result backend outage), sending callbacks, a chain's
+    next step or a chord's part, the task's own ``on_success``; and with early acks the
+    message is gone already.
     The pool process (from its ``task.request``) and the worker (from the message's request
     dict, the same fields) answer alike: where this is True the pool process leaves the
     record to the worker, which writes it before the ack.
     """
-    if callbacks or chord or not task.acks_late:
+    if callbacks or chain or chord or not task.acks_late:
         return False
     if type(task).on_success is not Task.on_success:
         return False
@@ -384,9 +407,24 @@ def records_left_to_worker(request: Any) -> bool:
     return nothing_after_body(
         request.task,
         callbacks=fields.get("callbacks"),
+        chain=fields.get("chain"),
         chord=fields.get("chord"),
         ignore_result=fields.get("ignore_result", False),
     )
+
+
+def _is_canvas_part(callbacks: Any, chain: Any, chord: Any) -> bool:
+    """True for a copy after whose body Celery's trace sends or reports something other tasks
+    wait on: callbacks, a chain's next step, a chord's part (module docstring)."""
+    return bool(callbacks or chain or chord)
+
+
+def records_after_trace(request: Any) -> bool:
+    """True if the process that runs ``request`` (a worker ``Request``) records its completion
+    after Celery's trace, not when its body returns: a canvas part (module docstring). The
+    worker then writes the record itself before its ack."""
+    fields = request_fields(request)
+    return _is_canvas_part(fields.get("callbacks"), fields.get("chain"), fields.get("chord"))
 
 
 def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
@@ -406,10 +444,18 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
         except Exception as exc:
             _check(task, claim, verifier, "failed", f"failed ({type(exc).__name__})", exc)
             raise
+        request = task.request
+        # the steps the trace sends after the body are of this copy's run (unset at postrun)
+        runs.inherit(owner_run(claim.owner))
+        if _is_canvas_part(request.callbacks, request.chain, request.chord):
+            # recorded after the trace has sent and reported what other tasks wait on
+            _check(task, claim, verifier, "unreported", "finished")
+            _after_trace.pending = (request.id, claim, verifier)
+            return retval
         # The completion is recorded here, before the tracer stores the result: whatever
         # happens to the result (a result backend outage fails the task after its body
         # returned), a later copy of this attempt is acknowledged without running.
-        settle = getattr(task.request, SETTLE_KEY, None)
+        settle = getattr(request, SETTLE_KEY, None)
         if settle is not None:
             _settle(task, claim, verifier, settle)
             return retval
@@ -426,6 +472,36 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
 
     setattr(claims_guarded_run, _GUARDED, True)
     return claims_guarded_run
+
+
+#: per thread: the canvas part whose completion is recorded when its trace ends, as
+#: ``(task id, claim, verifier)``
+_after_trace = threading.local()
+
+
+def _record_after_trace(task_id: Any = None, state: Any = None, **_: Any) -> None:
+    """``task_postrun``: record a canvas part's completion after Celery's trace (module
+    docstring), in a prefork pool process, and wait for it; the worker records it again."""
+    runs.end_inherit()
+    pending = getattr(_after_trace, "pending", None)
+    _after_trace.pending = None
+    if pending is None or pending[0] != task_id or state != states.SUCCESS:
+        return  # not a canvas part, or Celery failed it after its body (not a success)
+    _, claim, verifier = pending
+    if os.getpid() == verifier.parent_pid:
+        return  # solo and threads pools: the worker records it, in this very process
+    try:
+        verdict = verifier.record_done(claim)
+    except ClaimError as exc:
+        logger.info("claim %s: completion left to the worker: %s", claim.task_id, exc)
+        return
+    if verdict is Verdict.LOST:
+        logger.warning(
+            "claim %s/%s (instance %d) was taken over as its trace ended",
+            claim.queue_id,
+            claim.task_id,
+            claim.instance,
+        )
 
 
 def _check(
@@ -522,6 +598,7 @@ def guard_tasks(
     (:func:`records_left_to_worker`).
     """
     verifier = _Verifier(settings, manager, ack_records=ack_records)
+    task_postrun.connect(_record_after_trace, weak=False, dispatch_uid=_POSTRUN_UID)
     wrapped = 0
     for name, task in list(app.tasks.items()):
         if is_exempt(task, name) or getattr(task.run, _GUARDED, False):

@@ -14,6 +14,13 @@ copy runs only if the task's record is of a lower run, and a completion replaces
 so a run that completed never runs again, whatever the clocks; a producer whose clock is
 behind the last run's can only make its re-apply look earlier (skipped as done, as without
 runs).
+
+The next steps a canvas part's trace sends after its body returned (a chain's next step, a
+chord's body sent by its last part, callbacks) are of the part's own run, not a new one
+(:func:`inherit`): a part that runs again after a crash (its completion is recorded after
+Celery's trace) sends copies of the steps its first run sent, which are turned away as done
+or held, where a new run would make every later step run again. A part of no run (its
+producer gives none: celery-claims is not installed there) sends steps of no run.
 """
 
 from __future__ import annotations
@@ -27,7 +34,15 @@ from celery.signals import before_task_publish
 
 from celery_claims.runs import MAX_RUN, format_run, parse_run
 
-__all__ = ["RUN_HEADER", "connect_runs", "is_canvas_part", "run_of", "stamp"]
+__all__ = [
+    "RUN_HEADER",
+    "connect_runs",
+    "end_inherit",
+    "inherit",
+    "is_canvas_part",
+    "run_of",
+    "stamp",
+]
 
 #: The message header that carries a canvas part's run.
 RUN_HEADER = "x-claims-run"
@@ -35,6 +50,8 @@ RUN_HEADER = "x-claims-run"
 _lock = threading.Lock()
 _last = [0]
 _connected = [False]
+#: the run the canvas parts this thread sends now are of (:func:`inherit`)
+_inherited = threading.local()
 
 
 def is_canvas_part(headers: Mapping[str, Any], body: Any) -> bool:
@@ -59,13 +76,30 @@ def _next_run() -> int:
     return run
 
 
+def inherit(run: int | None) -> None:
+    """Make the canvas parts this thread sends from now on of ``run`` (None: of no run), until
+    :func:`end_inherit`. Set by the guard of a copy whose body returned, for the steps Celery's
+    trace sends after it, and ended with the trace."""
+    _inherited.active = True
+    _inherited.run = run
+
+
+def end_inherit() -> None:
+    """Each canvas part this thread sends from now on is a new run (the default)."""
+    _inherited.active = False
+
+
 def stamp(headers: Any, body: Any) -> None:
     """Give a canvas part's message (``headers`` and ``body`` as ``before_task_publish`` has
     them) its run, unless its headers carry one already: a second call in the same send (the
     publish journal's capture, then this module's receiver) keeps the first's, and a retry
-    that copies its request's headers stays in its run (a new attempt of it)."""
+    that copies its request's headers stays in its run (a new attempt of it). A step sent by
+    a part's trace after its body is of that part's run (:func:`inherit`)."""
     if isinstance(headers, dict) and RUN_HEADER not in headers and is_canvas_part(headers, body):
-        headers[RUN_HEADER] = format_run(_next_run())
+        if not getattr(_inherited, "active", False):
+            headers[RUN_HEADER] = format_run(_next_run())
+        elif _inherited.run is not None:
+            headers[RUN_HEADER] = format_run(_inherited.run)
 
 
 def _stamp(sender: Any = None, body: Any = None, headers: Any = None, **_: Any) -> None:
