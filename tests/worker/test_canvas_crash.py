@@ -72,6 +72,26 @@ def test_a_chord_part_whose_worker_dies_before_the_part_is_reported_runs_again_a
     assert bodies["canvas.part"] == 3, (bodies, fleet.logs())  # the killed part twice
 
 
+def test_a_group_member_whose_worker_dies_before_its_result_is_stored_runs_again(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given a group of two, and worker A killed right after a member's body returned, before
+    # Celery stored its result
+    url, queue = private_redis.url, unique("q")
+    a = _worker(fleet, "a", url, queue, crash="done:canvas.part")
+    client = fleet.client(url, url, queue)
+    part = client.signature("canvas.part")
+    result = group(part.clone((1,)), part.clone((2,))).apply_async()
+    _killed(fleet, a, url, queue)
+
+    # When worker B starts
+    _worker(fleet, "b", url, queue)
+
+    # Then the killed member runs again and the group's result is whole
+    assert result.get(timeout=TIMEOUT) == [1, 2], fleet.logs()
+    assert _bodies(fleet, url, queue)["canvas.part"] == 3
+
+
 def test_a_chain_step_whose_worker_dies_before_the_next_step_is_sent_runs_again_and_the_chain_ends(
     fleet: Fleet, private_redis: RedisServer
 ) -> None:

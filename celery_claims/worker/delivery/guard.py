@@ -28,16 +28,17 @@ wrapper runs in the process that runs the body:
   prefixed) and the lease handed to the pool cannot have run out does a prefork pool
   process send the record without waiting for its reply. Either way a main process paused
   or killed before its ack cannot let the task run again;
-- a **canvas part** (a copy with a chain's next step, callbacks or a chord to report, which
-  other tasks wait on) is recorded after Celery's trace instead: after the body, the same
-  check as before it (a stale copy sends nothing); the trace sends the next steps, stores the
-  result and reports the part; then, at ``task_postrun``, a prefork pool process records the
-  completion and waits for it, and the worker records it again before its ack (the record
-  counts once). A worker killed between the body and the record lets the part run again, as
-  a crash in its body would (its effects guarded as any body's), never leaves a chord or a
-  chain waiting on a part recorded done but never reported; the steps the trace sends are of
-  the part's run (``publish/runs.py``, :func:`~celery_claims.worker.publish.runs.inherit`),
-  so those a part run again sends are turned away;
+- a **canvas part** (a group member, or a copy with a chain's next step, callbacks or a
+  chord to report: what a canvas waits on) is recorded after Celery's trace instead: after
+  the body, the same check as before it (a stale copy sends nothing); the trace sends the
+  next steps, stores the result and reports the part; then, at ``task_postrun``, a prefork
+  pool process records the completion and waits for it, and the worker records it again
+  before its ack (the record counts once). A worker killed between the body and the record
+  lets the part run again, as a crash in its body would (its effects guarded as any
+  body's), and never leaves a canvas waiting on a part recorded done but never reported;
+  the steps the trace sends are of the part's run (``publish/runs.py``,
+  :func:`~celery_claims.worker.publish.runs.inherit`), so those a part run again sends are
+  turned away;
 - after the body raised, the same check as before the body.
 
 A store that does not answer is waited for (bounded by ``claims_start_timeout_ms``), then
@@ -413,10 +414,11 @@ def records_left_to_worker(request: Any) -> bool:
     )
 
 
-def _is_canvas_part(callbacks: Any, chain: Any, chord: Any) -> bool:
-    """True for a copy after whose body Celery's trace sends or reports something other tasks
-    wait on: callbacks, a chain's next step, a chord's part (module docstring)."""
-    return bool(callbacks or chain or chord)
+def _is_canvas_part(callbacks: Any, chain: Any, chord: Any, group: Any) -> bool:
+    """True for a copy after whose body Celery's trace sends, stores or reports something a
+    canvas waits on: callbacks, a chain's next step, a chord's part, a group member's result
+    (module docstring)."""
+    return bool(callbacks or chain or chord or group)
 
 
 def records_after_trace(request: Any) -> bool:
@@ -424,7 +426,9 @@ def records_after_trace(request: Any) -> bool:
     after Celery's trace, not when its body returns: a canvas part (module docstring). The
     worker then writes the record itself before its ack."""
     fields = request_fields(request)
-    return _is_canvas_part(fields.get("callbacks"), fields.get("chain"), fields.get("chord"))
+    return _is_canvas_part(
+        fields.get("callbacks"), fields.get("chain"), fields.get("chord"), fields.get("group")
+    )
 
 
 def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
@@ -445,11 +449,11 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
             _check(task, claim, verifier, "failed", f"failed ({type(exc).__name__})", exc)
             raise
         request = task.request
-        # the steps the trace sends after the body are of this copy's run (unset at postrun)
-        runs.inherit(owner_run(claim.owner))
-        if _is_canvas_part(request.callbacks, request.chain, request.chord):
-            # recorded after the trace has sent and reported what other tasks wait on
+        if _is_canvas_part(request.callbacks, request.chain, request.chord, request.group):
+            # recorded after the trace has sent and reported what other tasks wait on, which
+            # are of this copy's run (both at task_postrun)
             _check(task, claim, verifier, "unreported", "finished")
+            runs.inherit(owner_run(claim.owner))
             _after_trace.pending = (request.id, claim, verifier)
             return retval
         # The completion is recorded here, before the tracer stores the result: whatever
