@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -208,6 +209,8 @@ class Fleet:
         for client in self._clients:
             with contextlib.suppress(Exception):
                 client.close()
+        # the logs went into any failure's message (``logs()``); nothing is left in /tmp
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def client_app(
