@@ -318,35 +318,47 @@ def parse(
     tls = scheme == "rediss"
     parts = urlsplit(f"{scheme}://{rest}")
     query = _query(url_name, parts.query, tls=tls)
-    kwargs: dict[str, Any] = {**_userinfo(parts)}
+    kwargs: dict[str, Any] = {
+        **_userinfo(parts),
+        **_address(url_name, scheme, parts, cluster=cluster, tls=tls),
+        **query,
+    }
+    ssl_opts = {k: v for k, v in opts.items() if k.startswith("ssl_")}
+    if ssl_opts and not tls:
+        raise InvalidArgument(options_name, f"{sorted(ssl_opts)} need a rediss:// URL (TLS)")
+    kwargs.update(opts)
+    if cluster:
+        return _cluster(url_name, kwargs, tls=tls)
+    return StoreSpec("standalone", kwargs)
+
+
+def _address(url_name: str, scheme: str, parts: Any, *, cluster: bool, tls: bool) -> dict[str, Any]:
+    """Where a ``redis://``/``rediss://``/socket URL points: a socket path, or host, port, db."""
     if scheme in ("unix", "redis+socket", "socket"):
         if cluster:
             raise InvalidArgument(url_name, "a Redis Cluster is reached over TCP, not a socket")
         path = unquote(parts.path)
         if not path:
             raise InvalidArgument(url_name, "names no socket path")
-        kwargs.update(path=path, connection_class=redis.UnixDomainSocketConnection)
-    else:
-        host, port = _host_port(url_name, parts, 6379)
-        kwargs.update(host=host, port=port)
-        if parts.path.strip("/"):
-            kwargs["db"] = _int(url_name, "the database", parts.path)
-        if tls:
-            kwargs.update(connection_class=redis.SSLConnection, ssl_cert_reqs=ssl.CERT_REQUIRED)
-    kwargs.update(query)
-    ssl_opts = {k: v for k, v in opts.items() if k.startswith("ssl_")}
-    if ssl_opts and not tls:
-        raise InvalidArgument(options_name, f"{sorted(ssl_opts)} need a rediss:// URL (TLS)")
-    kwargs.update(opts)
-    if cluster:
-        if kwargs.get("db"):
-            raise InvalidArgument(url_name, "a Redis Cluster has database 0 only")
-        kwargs.pop("db", None)
-        if tls:
-            kwargs.pop("connection_class")
-            kwargs["ssl"] = True
-        return StoreSpec("cluster", kwargs)
-    return StoreSpec("standalone", kwargs)
+        return {"path": path, "connection_class": redis.UnixDomainSocketConnection}
+    host, port = _host_port(url_name, parts, 6379)
+    out: dict[str, Any] = {"host": host, "port": port}
+    if parts.path.strip("/"):
+        out["db"] = _int(url_name, "the database", parts.path)
+    if tls:
+        out.update(connection_class=redis.SSLConnection, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return out
+
+
+def _cluster(url_name: str, kwargs: dict[str, Any], *, tls: bool) -> StoreSpec:
+    """A Redis Cluster's spec: database 0 only, TLS as redis-py's ``ssl=True``."""
+    if kwargs.get("db"):
+        raise InvalidArgument(url_name, "a Redis Cluster has database 0 only")
+    kwargs.pop("db", None)
+    if tls:
+        kwargs.pop("connection_class")
+        kwargs["ssl"] = True
+    return StoreSpec("cluster", kwargs)
 
 
 def _sentinel(url: str, opts: dict[str, Any], url_name: str, options_name: str) -> StoreSpec:

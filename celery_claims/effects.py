@@ -146,7 +146,7 @@ def effects_table(
         InvalidArgument: ``metadata`` is not a ``MetaData``, a bad name, or a table of that
             name without the marker columns already declared in ``metadata``.
     """
-    import sqlalchemy as sa
+    import sqlalchemy as sa  # the [sql] extra: imported on first use
 
     if not isinstance(metadata, sa.MetaData):
         raise InvalidArgument("metadata", f"must be a sqlalchemy MetaData, got {metadata!r:.80}")
@@ -167,14 +167,14 @@ def effects_table(
 
 @cache
 def _named_table(name: str) -> sqlalchemy.Table:
-    import sqlalchemy as sa
+    import sqlalchemy as sa  # the [sql] extra: imported on first use
 
     return effects_table(sa.MetaData(), name)
 
 
 def _marker_table(table: object) -> sqlalchemy.Table:
     """The marker table: a ``Table`` with ``key`` and ``instance`` columns, or its name."""
-    import sqlalchemy as sa
+    import sqlalchemy as sa  # the [sql] extra: imported on first use
 
     if isinstance(table, str):
         require_id("table", table)
@@ -188,7 +188,7 @@ def _marker_table(table: object) -> sqlalchemy.Table:
 
 
 def _connection(conn: object) -> sqlalchemy.Connection:
-    import sqlalchemy as sa
+    import sqlalchemy as sa  # the [sql] extra: imported on first use
 
     if not isinstance(conn, sa.Connection):
         raise InvalidArgument("conn", f"must be a SQLAlchemy Connection, got {conn!r:.80}")
@@ -220,6 +220,24 @@ def _translated(exc: Exception, operation: str) -> BackendError:
     invalidated = bool(getattr(exc, "connection_invalidated", False))
     error = BackendUnavailable if invalidated else BackendError
     return error(f"effects: {operation} failed: {exc}")
+
+
+def _insert_marker(
+    conn: sqlalchemy.Connection, markers: sqlalchemy.Table, marker: str, number: int
+) -> Any:
+    """``INSERT`` the marker ``ON CONFLICT (key) DO NOTHING RETURNING key`` (conn's dialect)."""
+    # the [sql] extra, imported on first use; each dialect spells ON CONFLICT in its own insert
+    insert: Any
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return (
+        insert(markers)
+        .values(key=marker, instance=number)
+        .on_conflict_do_nothing(index_elements=[markers.c.key])
+        .returning(markers.c.key)
+    )
 
 
 def apply_once(
@@ -261,25 +279,14 @@ def apply_once(
         BackendError: the marker statement failed (e.g. the table does not exist); nothing
             was written. Errors raised by ``write`` propagate unchanged.
     """
-    import sqlalchemy as sa
+    import sqlalchemy as sa  # the [sql] extra: imported on first use
 
     connection = _connection(conn)
     marker = _key("key", key)
     if not callable(write):
         raise InvalidArgument("write", f"must be callable, got {write!r:.80}")
     number = require_fence(instance)
-    markers = _marker_table(table)
-    insert: Any
-    if connection.dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    stmt = (
-        insert(markers)
-        .values(key=marker, instance=number)
-        .on_conflict_do_nothing(index_elements=[markers.c.key])
-        .returning(markers.c.key)
-    )
+    stmt = _insert_marker(connection, _marker_table(table), marker, number)
     _open_sqlite_transaction(connection)
     with connection.begin_nested():
         try:
@@ -306,7 +313,7 @@ def applied(
         InvalidArgument: a bad connection, key or table.
         BackendError: the read failed (e.g. the table does not exist).
     """
-    import sqlalchemy as sa
+    import sqlalchemy as sa  # the [sql] extra: imported on first use
 
     connection = _connection(conn)
     marker = _key("key", key)
@@ -391,6 +398,32 @@ def _effect_result(reply: Any, ops: Sequence[tuple[str, str, list[str | bytes]]]
     raise BackendError(f"effects: unknown status from the effect script: {reply!r}")
 
 
+def _ops(ops: object) -> list[tuple[str, str, list[str | bytes]]]:
+    """``ops`` checked, each as (command, key, arguments): 1 to :data:`MAX_OPS` of them."""
+    given = require_sequence("ops", ops, "tuples")  # untyped callers may pass anything
+    if not 1 <= len(given) <= MAX_OPS:
+        raise InvalidArgument("ops", f"must hold 1 to {MAX_OPS} ops, got {len(given)}")
+    return [_op(index, op) for index, op in enumerate(given)]
+
+
+def _effect_keys(
+    client: redis.Redis | redis.RedisCluster,
+    marker: str,
+    ops: Sequence[tuple[str, str, list[str | bytes]]],
+) -> list[str]:
+    """The script's KEYS: the marker, then each op's key; one hash slot on Redis Cluster."""
+    keys = [marker, *(key for _, key, _ in ops)]
+    if marker in keys[1:]:
+        raise InvalidArgument("ops", f"an op writes the marker key {marker!r}")
+    if isinstance(client, redis.RedisCluster):
+        slots = {key_slot(key.encode("utf-8")) for key in keys}
+        if len(slots) > 1:
+            raise InvalidArgument(
+                "ops", "the marker and every written key must share a hash slot on Redis Cluster"
+            )
+    return keys
+
+
 def apply_once_redis(
     client: redis.Redis | redis.RedisCluster,
     marker_key: str,
@@ -431,24 +464,13 @@ def apply_once_redis(
     if not isinstance(client, (redis.Redis, redis.RedisCluster)):
         raise InvalidArgument("client", f"must be a redis-py client, got {client!r:.80}")
     marker = _key("marker_key", marker_key)
-    given = require_sequence("ops", ops, "tuples")  # untyped callers may pass anything
-    if not 1 <= len(given) <= MAX_OPS:
-        raise InvalidArgument("ops", f"must hold 1 to {MAX_OPS} ops, got {len(given)}")
-    checked = [_op(index, op) for index, op in enumerate(given)]
+    checked = _ops(ops)
     if ttl_ms is not None:
         require_ms("ttl_ms", ttl_ms, maximum=MAX_MARKER_TTL_MS)
         if ttl_ms == 0:
             raise InvalidArgument("ttl_ms", "must be positive (or None: no expiry)")
     number = require_fence(instance)
-    keys = [marker, *(key for _, key, _ in checked)]
-    if marker in keys[1:]:
-        raise InvalidArgument("ops", f"an op writes the marker key {marker!r}")
-    if isinstance(client, redis.RedisCluster):
-        slots = {key_slot(key.encode("utf-8")) for key in keys}
-        if len(slots) > 1:
-            raise InvalidArgument(
-                "ops", "the marker and every written key must share a hash slot on Redis Cluster"
-            )
+    keys = _effect_keys(client, marker, checked)
     args: list[str | bytes] = [str(number), "" if ttl_ms is None else str(ttl_ms)]
     for command, _, values in checked:
         args.extend([command, str(len(values)), *values])

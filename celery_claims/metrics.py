@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from celery.signals import worker_ready
 from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -364,6 +365,39 @@ _servers_lock = threading.Lock()
 _servers: dict[int, Any] = {}
 
 
+def _export_once(runtime: Any, ports: tuple[int, int], addr: str, *, store: bool) -> int | None:
+    """Serve ``runtime``'s registry on the first free port of ``ports``; return the bound port.
+
+    ``None`` if this runtime is served already, or if no port is free (logged: the worker
+    runs without an exporter).
+    """
+    with _servers_lock:
+        if id(runtime) in _servers:
+            return None
+        try:
+            server, bound = _serve_first(worker_registry(runtime, store=store), ports, addr)
+        except OSError as exc:
+            where = f"{ports[0]}" if ports[0] == ports[1] else f"{ports[0]}-{ports[1]}"
+            logger.error(
+                "celery-claims metrics: worker %s cannot listen on %s:%s (%s); it runs "
+                "without an exporter. Give each worker of a host its own port: a range "
+                "in claims_metrics_port (e.g. '9808-9817'), --claims-metrics-port, or 0",
+                runtime.hostname,
+                addr,
+                where,
+                exc.strerror or exc,
+            )
+            return None
+        _servers[id(runtime)] = server
+    logger.info(
+        "celery-claims metrics of worker %s on http://%s:%d/metrics",
+        runtime.hostname,
+        addr,
+        bound,
+    )
+    return bound
+
+
 def install_metrics(
     app: Any,
     *,
@@ -402,7 +436,6 @@ def install_metrics(
     if getattr(app, "_celery_claims_metrics", False):
         return
     app._celery_claims_metrics = True
-    from celery.signals import worker_ready
 
     def start(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is not app:
@@ -412,31 +445,8 @@ def install_metrics(
             logger.warning("celery-claims metrics: install(app) has not run; nothing to export")
             return
         chosen = ports if ports is not None else runtime.settings.metrics_port
-        with _servers_lock:
-            if id(runtime) in _servers:
-                return
-            try:
-                server, bound = _serve_first(worker_registry(runtime, store=store), chosen, addr)
-            except OSError as exc:
-                where = f"{chosen[0]}" if chosen[0] == chosen[1] else f"{chosen[0]}-{chosen[1]}"
-                logger.error(
-                    "celery-claims metrics: worker %s cannot listen on %s:%s (%s); it runs "
-                    "without an exporter. Give each worker of a host its own port: a range "
-                    "in claims_metrics_port (e.g. '9808-9817'), --claims-metrics-port, or 0",
-                    runtime.hostname,
-                    addr,
-                    where,
-                    exc.strerror or exc,
-                )
-                return
-            _servers[id(runtime)] = server
-        logger.info(
-            "celery-claims metrics of worker %s on http://%s:%d/metrics",
-            runtime.hostname,
-            addr,
-            bound,
-        )
-        if on_serving is not None:
+        bound = _export_once(runtime, chosen, addr, store=store)
+        if bound is not None and on_serving is not None:
             on_serving(bound)
 
     # weak=False: the receiver is a closure nothing else references

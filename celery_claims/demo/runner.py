@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import redis
+from celery import Celery
 
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import describe
@@ -514,17 +515,7 @@ def run_demo(
     try:
         with contextlib.ExitStack() as stack:
             bar.update(0.0, "starting Redis")
-            if redis_url is None:
-                url, binary, origin = stack.enter_context(_private_redis(workdir))
-            else:
-                url, binary, origin = redis_url, "", "url"
-            client = redis.Redis.from_url(url, socket_timeout=5)
-            stack.callback(client.close)
-            if origin == "url":
-                # registered before the fleet's stop, so it runs after it (last in, first
-                # out): a worker still alive could write a key after the deletion (kombu's
-                # restore sweep lock, seen left behind once)
-                stack.callback(_delete_namespace, client, ns)
+            client, url, binary, origin = _redis(stack, workdir, redis_url, ns)
             fleet = _Fleet(workdir, url, ns, lane_limit)
             stack.callback(fleet.stop)
             try:
@@ -539,6 +530,25 @@ def run_demo(
     finally:
         bar.done()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _redis(
+    stack: contextlib.ExitStack, workdir: Path, redis_url: str | None, ns: str
+) -> tuple[redis.Redis, str, str, str]:
+    """The run's Redis: ``redis_url``, or a private server stopped by ``stack``; return its
+    client (closed by ``stack``), URL, binary and origin (``"url"`` for a given one)."""
+    if redis_url is None:
+        url, binary, origin = stack.enter_context(_private_redis(workdir))
+    else:
+        url, binary, origin = redis_url, "", "url"
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    stack.callback(client.close)
+    if origin == "url":
+        # registered before run_demo registers the fleet's stop, so it runs after it (last
+        # in, first out): a worker still alive could write a key after the deletion (kombu's
+        # restore sweep lock, seen left behind once)
+        stack.callback(_delete_namespace, client, ns)
+    return client, url, binary, origin
 
 
 def _delete_namespace(client: redis.Redis, ns: str) -> None:
@@ -581,8 +591,9 @@ class _Run:
         return True
 
     def run(self) -> DemoReport:
-        from celery import Celery
-
+        # imported here, not at the top: importing the demo app builds it from the
+        # environment and, as CLAIMS_DEMO_CLAIMS defaults to "1", runs install(app) in this
+        # process; only its broker options are read here
         from celery_claims.demo import app as demo_app
 
         self.tick("starting 4 workers (2 plain, 2 with claims)")

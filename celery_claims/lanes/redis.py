@@ -488,25 +488,25 @@ class RedisTaskClaimStore:
         if not checked:
             return []
         lane_keys = self.lane_keys(lane.lane_key)
-        args: list[str | int] = [
+        args = _claim_args(
             to_us(at),
             to_us(lease),
             lane_config.limit,
             limit_per_key,
-            len(lane.kinds),
-        ]
-        args.extend(lane.kinds)
-        for candidate, key in zip(checked, candidate_keys, strict=True):
-            args.extend(
-                (
-                    member(candidate.task_id),
-                    str(candidate.expected_processing_token),
-                    str(candidate.next_processing_token),
-                    key,
-                )
-            )
+            lane.kinds,
+            list(zip(checked, candidate_keys, strict=True)),
+        )
         with _driver_errors("claim_candidates_for_lane"):
             reply = self._claim(keys=lane_keys.of_kinds(lane.kinds), args=args)
+        return self._claimed(reply, lane, checked)
+
+    def _claimed(
+        self,
+        reply: Any,
+        lane: TaskLaneConfig[str, Any],
+        checked: Sequence[TaskClaimCandidate],
+    ) -> list[ClaimedTask]:
+        """The lane claim script's reply as the tasks it claimed, each remembered in its lane."""
         status = _status(reply)
         # On NOT_FOUND the script names the position of the candidate it refused.
         failed = -1
@@ -521,6 +521,29 @@ class RedisTaskClaimStore:
                 ClaimedTask(candidate.index, candidate.task_id, candidate.next_processing_token)
             )
         return result
+
+
+def _claim_args(
+    at_us: int,
+    lease_us: int,
+    limit: int,
+    limit_per_key: int,
+    kinds: Sequence[str],
+    candidates: Sequence[tuple[TaskClaimCandidate, str]],
+) -> list[str | int]:
+    """The ARGV of ``lane_claim.lua`` (its header lists them): the times, the limits, the
+    lane's kinds (counted), then per (candidate, key) its member, tokens and key."""
+    args: list[str | int] = [at_us, lease_us, limit, limit_per_key, len(kinds), *kinds]
+    for candidate, key in candidates:
+        args.extend(
+            (
+                member(candidate.task_id),
+                str(candidate.expected_processing_token),
+                str(candidate.next_processing_token),
+                key,
+            )
+        )
+    return args
 
 
 def _index_entry(raw: object) -> tuple[str, str]:

@@ -399,17 +399,7 @@ class SqlTaskClaimStore:
         claimed: list[ClaimedTask] = []
         with _driver_errors("claim_candidates_for_lane"), self.engine.begin() as conn:
             self._lock_lane(conn, lane.lane_key)
-            ids = sorted({candidate.task_id for candidate in checked})
-            kinds_by_id = {
-                row.id: row.kind
-                for row in conn.execute(sa.select(t.id, t.kind).where(t.id.in_(ids)))
-            }
-            for candidate in checked:
-                if kinds_by_id.get(candidate.task_id) not in lane.kinds:
-                    # Raised inside the transaction: it rolls back, nothing was written.
-                    raise_for_status(
-                        StoreStatus.NOT_FOUND, task_id=candidate.task_id, lane=lane.lane
-                    )
+            self._require_lane_tasks(conn, lane, checked)
             active = conn.execute(
                 sa.select(sa.func.count()).where(t.kind.in_(lane.kinds), self._active(at))
             ).scalar_one()
@@ -417,24 +407,50 @@ class SqlTaskClaimStore:
             for candidate in checked:
                 if len(claimed) >= available:
                     break
-                swapped = conn.execute(
-                    sa.update(self.tasks)
-                    .where(
-                        t.id == candidate.task_id,
-                        t.processing_token == candidate.expected_processing_token,
-                        self._claimable(at),
-                    )
-                    .values(
-                        status=TaskStatus.PROCESSING.value,
-                        processing_token=candidate.next_processing_token,
-                        lease_expires_at=lease,
-                        claimed_at=at,
-                    )
-                )
-                if swapped.rowcount == 1:
+                if self._swap(conn, candidate, at, lease):
                     claimed.append(
                         ClaimedTask(
                             candidate.index, candidate.task_id, candidate.next_processing_token
                         )
                     )
         return claimed
+
+    def _require_lane_tasks(
+        self,
+        conn: Connection,
+        lane: TaskLaneConfig[str, Any],
+        checked: Sequence[TaskClaimCandidate],
+    ) -> None:
+        """Refuse (NOT_FOUND) the first candidate that is no task of ``lane``.
+
+        Raised inside the caller's transaction: it rolls back, nothing was written.
+        """
+        t = self.tasks.c
+        ids = sorted({candidate.task_id for candidate in checked})
+        kinds_by_id = {
+            row.id: row.kind for row in conn.execute(sa.select(t.id, t.kind).where(t.id.in_(ids)))
+        }
+        for candidate in checked:
+            if kinds_by_id.get(candidate.task_id) not in lane.kinds:
+                raise_for_status(StoreStatus.NOT_FOUND, task_id=candidate.task_id, lane=lane.lane)
+
+    def _swap(
+        self, conn: Connection, candidate: TaskClaimCandidate, at: datetime, lease: datetime
+    ) -> bool:
+        """Compare-and-swap one claimable candidate to processing; whether it was swapped."""
+        t = self.tasks.c
+        swapped = conn.execute(
+            sa.update(self.tasks)
+            .where(
+                t.id == candidate.task_id,
+                t.processing_token == candidate.expected_processing_token,
+                self._claimable(at),
+            )
+            .values(
+                status=TaskStatus.PROCESSING.value,
+                processing_token=candidate.next_processing_token,
+                lease_expires_at=lease,
+                claimed_at=at,
+            )
+        )
+        return swapped.rowcount == 1

@@ -549,6 +549,41 @@ def _lane_of_key(key: str, base: str) -> tuple[str, str] | None:
     return _unescape(lane), _unescape(tail)
 
 
+def _processing_lanes(client: RedisClient, base: str) -> list[tuple[str, str]]:
+    """Every (lane, kind) with a ``processing`` key, sorted: a ``SCAN``."""
+    return sorted(
+        {
+            parsed
+            for key in client.scan_iter(match=f"{base}*}}:processing:*", count=1000)
+            if (parsed := _lane_of_key(_text(key), base)) is not None
+        }
+    )
+
+
+def _lane_counts(
+    client: RedisClient, base: str, found: Sequence[tuple[str, str]], now: int
+) -> list[Any]:
+    """Per (lane, kind) of ``found``, in turn: its live leases' members and its due count."""
+    pipe = client.pipeline(transaction=False)
+    for lane, kind in found:
+        lane_base = f"{base}{escape(lane)}}}"
+        # lane scores are epoch microseconds; a lease is live while its expiry is after now
+        pipe.zrangebyscore(f"{lane_base}:processing:{escape(kind)}", f"({now * 1000}", "+inf")
+        pipe.zcard(f"{lane_base}:due:{escape(kind)}")
+    return pipe.execute() if found else []
+
+
+def _lease_records(
+    client: RedisClient, base: str, found: Sequence[tuple[str, str]], live: Sequence[Any]
+) -> list[Any]:
+    """The task records of the live leases, one list per (lane, kind) that has any."""
+    pipe = client.pipeline(transaction=False)
+    for (lane, _), members in zip(found, live, strict=True):
+        if members:
+            pipe.hmget(f"{base}{escape(lane)}}}:tasks", members)
+    return pipe.execute() if any(live) else []
+
+
 def lane_occupancy(
     client: RedisClient,
     prefix: str,
@@ -582,26 +617,10 @@ def lane_occupancy(
     base = f"{prefix}:lane:{{"
     now = server_now_ms(client) if now_ms is None else now_ms
     with translate_errors():
-        found = sorted(
-            {
-                parsed
-                for key in client.scan_iter(match=f"{base}*}}:processing:*", count=1000)
-                if (parsed := _lane_of_key(_text(key), base)) is not None
-            }
-        )
-        pipe = client.pipeline(transaction=False)
-        for lane, kind in found:
-            lane_base = f"{base}{escape(lane)}}}"
-            # lane scores are epoch microseconds; a lease is live while its expiry is after now
-            pipe.zrangebyscore(f"{lane_base}:processing:{escape(kind)}", f"({now * 1000}", "+inf")
-            pipe.zcard(f"{lane_base}:due:{escape(kind)}")
-        counts = pipe.execute() if found else []
+        found = _processing_lanes(client, base)
+        counts = _lane_counts(client, base, found, now)
         live = counts[::2]
-        pipe = client.pipeline(transaction=False)
-        for (lane, _), members in zip(found, live, strict=True):
-            if members:
-                pipe.hmget(f"{base}{escape(lane)}}}:tasks", members)
-        records = iter(pipe.execute() if any(live) else [])
+        records = iter(_lease_records(client, base, found, live))
     return [
         LaneOccupancy(
             lane,
