@@ -78,6 +78,9 @@ logger = get_logger("celery_claims.worker")
 #: publishing the replacement (and a task raising it asks for no re-run).
 _DONE_EXCEPTIONS = (Retry, Ignore)
 
+#: The one state a copy starts from (:meth:`Lifecycle.started`; made once, not per message).
+_QUEUED = frozenset({State.QUEUED})
+
 
 class _Wired:
     """An attribute of the lifecycle kept in its :class:`Wiring`, shared by every part."""
@@ -230,9 +233,11 @@ class Lifecycle:
         guarded: bool,
         key: KeyedClaim | None = None,
         lane_key: str = "",
+        run: int | None = None,
     ) -> Copy:
         """A new copy in the gate (``RECEIVED``); ``key``: its keyed claim, if any;
-        ``lane_key``: its key in a keyed lane, if it is in one."""
+        ``lane_key``: its key in a keyed lane, if it is in one; ``run``: the canvas run its
+        owner names."""
         refresh = self.w.settings.refresh_unacked
         copy = Copy(
             request=request,
@@ -244,6 +249,7 @@ class Lifecycle:
             delivery=Delivery.of(request.message) if refresh else None,
             key=key,
             lane_key=lane_key,
+            run=run,
         )
         self.reg.add(copy)
         return copy
@@ -325,7 +331,7 @@ class Lifecycle:
         """The pool started the copy (``on_accepted``): ``QUEUED`` -> ``RUNNING``."""
         if copy.time_limit_s is not None:
             copy.renew_until = time.monotonic() + copy.time_limit_s
-        if self.reg.move(copy, State.RUNNING, only_from=frozenset({State.QUEUED})):
+        if self.reg.move(copy, State.RUNNING, only_from=_QUEUED):
             self.acks.take(copy)
         if copy.mark_start and not copy.guarded and copy.token is not None:
             self._mark_started(copy.token)
