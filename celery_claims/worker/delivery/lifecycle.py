@@ -156,6 +156,9 @@ class Lifecycle:
         self.done = Completion(w, reg, self.ends, self.losses)
         #: copies waiting for their fleet-wide rates (claimed, before their lane)
         self.rates = WorkerRates(w, reg, self._past_rates)
+        #: lease (ms) -> whether a claim of it is renewed more often than the keeper beats
+        #: (it wakes the keeper): a few distinct leases, asked for every claim
+        self._short_leases: dict[int, bool] = {}
         if lanes is not None:
             lanes.slots = w.slots
             lanes.waker = w.waker
@@ -273,7 +276,12 @@ class Lifecycle:
             took_over and self.w.settings.max_takeovers is not None and copy.key is None
         )
         copy.renew_sent_at = time.monotonic()
-        if self.w.settings.renew_interval_for(copy.lease_ms) < self.w.settings.renew_interval_ms:
+        short = self._short_leases.get(copy.lease_ms)
+        if short is None:
+            settings = self.w.settings
+            short = settings.renew_interval_for(copy.lease_ms) < settings.renew_interval_ms
+            self._short_leases[copy.lease_ms] = short
+        if short:
             self.w.wake_keeper()
         copy.request.claim = copy
         self.holds.cancel_timer(copy)
@@ -303,6 +311,8 @@ class Lifecycle:
             # its rates first: a copy waiting for its turn to start holds no lane slot
             self.reg.move(copy, State.WAITING)
             self.rates.admit(copy, copy.rate_limits, lane, rate)
+        elif lane is None:
+            self.turns.in_turn(copy)  # no rate, no lane (the common case): to its turn
         else:
             self._past_rates(copy, lane)
 
