@@ -2,7 +2,7 @@
 
     python bench/counts.py [--tasks 200] [--pools solo,prefork]
                            [--variants plain,ride0,claims,claims-sep] [--baseline TREE]
-                           [--no-callgrind]
+                           [--no-callgrind] [--keep DIR]
     python bench/counts.py --pipe [--tasks 1000] [--baseline TREE]
 
 Wall-clock ratios (``bench/celery_overhead.py``) move with whatever else runs on a shared
@@ -16,12 +16,19 @@ store of ``claims-sep``) drains a batch of no-op tasks, and this prints, per mes
   logged): the store's script calls per message are the round trips a claim costs there;
 - **instructions** of the worker's main process (``valgrind --tool=callgrind``, counters
   zeroed before the batch and dumped after it; its pool processes run under valgrind too but
-  are not counted): repeatable whatever else runs. It includes what the main process does
-  while the batch drains at valgrind's pace (its idle ``BRPOP`` timeouts, the keeper's beats):
-  a few thousand instructions a message at these batch sizes. ``--no-callgrind`` skips it.
+  are not counted): repeatable whatever else runs. Its main thread (the consumer's loop, and
+  a solo pool's tasks) is counted apart from its other threads: the lease keeper's beats
+  and the journal's scans come every few seconds of wall time, and a batch drained at
+  valgrind's pace meets none or a few of them (tens of thousands of instructions a message
+  on prefork: what made two runs of the same code differ by 2 %). The main thread still
+  includes its idle ``BRPOP`` timeouts: a few thousand instructions a message at these batch
+  sizes. ``--no-callgrind`` skips it.
 
 ``--baseline TREE`` adds ``claims-base`` and ``claims-sep-base``: the same variants run from
 another checkout (``git worktree add TREE <commit>``), worker and producer, in the same run.
+``--keep DIR`` writes the callgrind dumps and the workers' logs to ``DIR`` (else a new
+temporary folder, printed): ``callgrind_annotate --inclusive=yes DIR/callgrind.counts-<variant>-
+<pool>.<pid>.1-01`` shows where a variant's main thread spent its instructions in the batch.
 
 ``--pipe`` counts the consumer's pipe alone (``worker/transport/pipe.py``), as a store apart
 uses it on a solo pool: a claim and its completion record, each deferred and its reply read
@@ -83,7 +90,10 @@ def worker(
     ]  # fmt: skip
     if callgrind:
         out = logs / f"callgrind.{queue}.%p"
-        args = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *args]
+        args = [
+            "valgrind", "--tool=callgrind", "--separate-threads=yes",
+            f"--callgrind-out-file={out}", *args,
+        ]  # fmt: skip
     with (logs / f"{queue}.log").open("wb") as log:
         proc = subprocess.Popen(
             args, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -98,13 +108,18 @@ def callgrind_control(option: str, pid: int) -> None:
     subprocess.run(["callgrind_control", option, str(pid)], check=True, capture_output=True)
 
 
-def dumped_instructions(logs: Path, queue: str, pid: int) -> int:
-    """Instructions in the newest dump of ``pid`` (``callgrind_control -d``)."""
-    dumps = sorted(logs.glob(f"callgrind.{queue}.{pid}.*"), key=lambda p: p.stat().st_mtime)
-    text = dumps[-1].read_text(errors="replace")
-    found = re.search(r"^(?:summary|totals): (\d+)", text, re.MULTILINE)
-    assert found, f"no totals in {dumps[-1]}"
-    return int(found.group(1))
+def dumped_instructions(logs: Path, queue: str, pid: int) -> tuple[int, int]:
+    """Instructions in the newest dump of ``pid`` (``callgrind_control -d``): its main
+    thread's (the consumer's loop; a solo pool's tasks too) and its other threads' (the lease
+    keeper, the journal's scanner and writer), one file per thread (``--separate-threads``)."""
+    parts: dict[int, dict[int, int]] = {}
+    for path in logs.glob(f"callgrind.{queue}.{pid}.*-*"):
+        part, thread = path.name.rsplit(".", 1)[1].split("-")
+        found = re.search(r"^(?:summary|totals): (\d+)", path.read_text(errors="replace"), re.M)
+        assert found, f"no totals in {path}"
+        parts.setdefault(int(part), {})[int(thread)] = int(found.group(1))
+    threads = parts[max(parts)]
+    return threads[1], sum(threads.values()) - threads[1]
 
 
 def start_log(clients: dict[str, redis.Redis], n: int) -> None:
@@ -169,16 +184,17 @@ def measure(
                     callgrind_control("-z", proc.pid)
                 overhead.run_batch(broker, publisher, variant, queue, "bench.noop", tasks, log=log)
                 time.sleep(SETTLE_S)
-                instructions = None
+                instructions = others = None
                 if callgrind:
                     callgrind_control("-d", proc.pid)
-                    instructions = dumped_instructions(logs, queue, proc.pid) / tasks
+                    main, rest = dumped_instructions(logs, queue, proc.pid)
+                    instructions, others = main / tasks, rest / tasks
                 commands = read_log(clients, tasks, shas)
         finally:
             publisher.close()
             for client in (broker, store):
                 client.close()
-    return {"commands": commands, "instructions": instructions}
+    return {"commands": commands, "instructions": instructions, "others": others}
 
 
 #: ``--pipe``: ``n`` claims and records through a ``StorePipe`` on a kombu hub, on the store at
@@ -243,11 +259,14 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="a checkout of an earlier commit")
     parser.add_argument("--no-callgrind", action="store_true")
     parser.add_argument("--pipe", action="store_true", help="the consumer's pipe alone")
+    parser.add_argument("--keep", type=Path, help="a folder for the callgrind dumps and logs")
     opts = parser.parse_args()
+    if opts.keep is not None:
+        opts.keep.mkdir(parents=True, exist_ok=True)
     if opts.pipe:
         if shutil.which("valgrind") is None:
             parser.error("valgrind is not on PATH")
-        logs = Path(tempfile.mkdtemp(prefix="bench-counts-"))
+        logs = opts.keep or Path(tempfile.mkdtemp(prefix="bench-counts-"))
         n = 1000 if opts.tasks == 200 else opts.tasks
         trees = [ROOT] + ([opts.baseline.resolve()] if opts.baseline is not None else [])
         with overhead.private_redis() as url:
@@ -262,7 +281,7 @@ def main() -> None:
     if opts.baseline is not None:
         overhead.BASELINE = opts.baseline
         variants += [v for v in overhead.BASE_VARIANTS if v not in variants]
-    logs = Path(tempfile.mkdtemp(prefix="bench-counts-"))
+    logs = opts.keep or Path(tempfile.mkdtemp(prefix="bench-counts-"))
     shas = script_names()
     print(f"{opts.tasks} no-op tasks a batch; logs in {logs}", flush=True)
     rows = []
@@ -277,10 +296,14 @@ def main() -> None:
                 for server, per in cmds.items()
             )
             ins = found["instructions"]
-            shown = f"{ins / 1000:,.0f}k instr/msg main" if ins else "no callgrind"
+            shown = (
+                f"{ins / 1000:,.0f}k instr/msg main thread (+{found['others'] / 1000:,.0f}k others)"
+                if ins
+                else "no callgrind"
+            )
             print(f"{pool:7} {variant:15} {shown}; {listed}", flush=True)
     print(
-        "\n| pool | variant | main process instructions/msg | broker commands/msg "
+        "\n| pool | variant | main thread instructions/msg | broker commands/msg "
         "| broker scripts/msg | store commands/msg | store scripts/msg (journal_put) |"
     )
     print("|---|---|---:|---:|---:|---:|---:|")

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import celery
 import kombu
@@ -373,26 +372,29 @@ def set_queue_consuming(consumer: Any, queue: str, consuming: bool) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class RequestHooks:
+class RequestHooks(Protocol):
     """What to call as the pool reports on a request; each handler argument is Celery's own.
 
-    Attributes:
-        accepted: after Celery's ``on_accepted`` (the pool started it).
-        succeeded: ``succeeded(handler)``: the body returned; ``handler()`` is Celery's
-            ``on_success``, to be called by the hook (or not, for a stale copy).
-        failed: ``failed(exc, handler)``: the attempt failed with ``exc`` (unwrapped from
-            prefork's pickling wrapper); ``handler()`` is Celery's ``on_failure``.
-        timed_out: ``timed_out(soft, handler)``: a time limit fired; ``handler()`` is
-            Celery's ``on_timeout``.
-        revoked: it was revoked before it ran (Celery acks it without a callback).
+    One per request: made for each message, so a plain object (``__slots__``), not a frozen
+    dataclass of callables.
     """
 
-    accepted: Callable[[], object]
-    succeeded: Callable[[Callable[[], object]], object]
-    failed: Callable[[BaseException | None, Callable[[], object]], object]
-    timed_out: Callable[[bool, Callable[[], object]], object]
-    revoked: Callable[[], object]
+    def accepted(self) -> object:
+        """After Celery's ``on_accepted`` (the pool started it)."""
+
+    def succeeded(self, handler: Callable[[], object]) -> object:
+        """The body returned; ``handler()`` is Celery's ``on_success``, to be called by the
+        hook (or not, for a stale copy)."""
+
+    def failed(self, exc: BaseException | None, handler: Callable[[], object]) -> object:
+        """The attempt failed with ``exc`` (unwrapped from prefork's pickling wrapper);
+        ``handler()`` is Celery's ``on_failure``."""
+
+    def timed_out(self, soft: bool, handler: Callable[[], object]) -> object:
+        """A time limit fired; ``handler()`` is Celery's ``on_timeout``."""
+
+    def revoked(self) -> object:
+        """It was revoked before it ran (Celery acks it without a callback)."""
 
 
 def hook_request(request: Any, hooks: RequestHooks) -> None:

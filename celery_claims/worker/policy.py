@@ -59,12 +59,13 @@ def time_limit_of(
     hard = (
         _seconds(hard_msg) or _seconds(getattr(task, "time_limit", None)) or _seconds(hard_default)
     )
-    soft = (
+    if hard is not None:
+        return hard  # the soft limit is read only where there is no hard one
+    return (
         _seconds(soft_msg)
         or _seconds(getattr(task, "soft_time_limit", None))
         or _seconds(soft_default)
     )
-    return hard if hard is not None else soft
 
 
 def acks_on_claim(task: Any, settings: ClaimsSettings) -> bool:

@@ -30,6 +30,9 @@ class AckOnClaim:
 
     def __init__(self, w: Wiring) -> None:
         self.w = w
+        #: task name -> whether its messages are acked at claim (read once: every claimed
+        #: message asks, most tasks never do)
+        self._asks: dict[str, bool] = {}
 
     def take(self, copy: Copy) -> bool:
         """Acknowledge ``copy``'s message now, its claim taken, once its journal entry is in
@@ -37,12 +40,12 @@ class AckOnClaim:
         does not ask for it or the entry could not be written."""
         request = copy.request
         keep = self.w.keep_message
-        if (
-            keep is None
-            or copy.key is not None
-            or request.acknowledged
-            or not acks_on_claim(request.task, self.w.settings)
-        ):
+        if keep is None or copy.key is not None:
+            return False
+        asks = self._asks.get(request.name)
+        if asks is None:
+            asks = self._asks[request.name] = acks_on_claim(request.task, self.w.settings)
+        if not asks or request.acknowledged:
             return False
         try:
             keep(copy.queue_id, copy.task_key, request.message)

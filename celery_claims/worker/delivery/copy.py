@@ -65,6 +65,9 @@ class Copy:
         acked_at_claim: its message was acknowledged once its claim was taken
             (``claims_ack_on_claim``): nothing of it is left in the broker, its publish journal
             entry is its durable copy (``ack_on_claim.py``).
+        run: the run its message carries, for a canvas part (``publish/runs.py``): its
+            owner names it, and its claims are asked with it (kept here, not parsed back out
+            of the owner for each claim).
     """
 
     request: Any
@@ -97,6 +100,7 @@ class Copy:
     mark_start: bool = False
     pool_settles: bool = False
     acked_at_claim: bool = False
+    run: int | None = None
 
     @property
     def claim_id(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable
 
 from celery.utils.log import get_logger
@@ -15,7 +16,7 @@ from celery_claims.worker import signals
 from celery_claims.worker.compat import before_gone, message_state, requeued, task_ready
 from celery_claims.worker.delivery.copy import Copy
 from celery_claims.worker.delivery.registry import Registry
-from celery_claims.worker.delivery.state import State
+from celery_claims.worker.delivery.state import IN_POOL, State
 from celery_claims.worker.delivery.turns import Turns
 from celery_claims.worker.delivery.wiring import Wiring
 from celery_claims.worker.transport.broker import forget_delivery
@@ -40,14 +41,15 @@ class Endings:
 
     def leave_pool(self, copy: Copy, to: State, why: str) -> bool:
         """Move a copy in the pool to ``to`` and free its lane slot."""
-        if not self.reg.move(copy, to, only_from=frozenset({State.QUEUED, State.RUNNING})):
+        if not self.reg.move(copy, to, only_from=IN_POOL):
             return False
         slot, copy.lane_slot = copy.lane_slot, None
         if slot is not None and self.w.lanes is not None:
             # the slot goes back first: the next task of the lane need not wait for the
             # store write of this one's completion
             self.w.lanes.release(slot)
-        logger.debug("Claim %s: %s -> %s", copy.claim_id, why, to.value)
+        if logger.isEnabledFor(logging.DEBUG):  # its claim id is built for the log only
+            logger.debug("Claim %s: %s -> %s", copy.claim_id, why, to.value)
         return True
 
     def release(self, copy: Copy, why: str) -> None:

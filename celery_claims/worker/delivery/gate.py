@@ -37,9 +37,8 @@ from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument
 from celery_claims.fencing import TaskClaim
 from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
 from celery_claims.rates import Limit
-from celery_claims.runs import owner_run, with_run
+from celery_claims.runs import with_run
 from celery_claims.worker.compat import (
-    RequestHooks,
     fleet_rate_limits,
     hook_request,
     request_fields,
@@ -74,6 +73,8 @@ class _Preclaim:
     queue_id: str
     task_key: str
     lease_ms: int
+    run: int | None
+    rate_limits: tuple[Limit, ...]
     call: ScriptCall[Any]
     reply: Any = _NO_REPLY
 
@@ -135,9 +136,10 @@ class ClaimGate:
                 task_key=pre.task_key,
                 lease_ms=pre.lease_ms,
                 guarded=is_guarded(request.task),
+                run=pre.run,
             )
-            # no key to make (claim_for sends no claim for such a task): this cannot refuse
-            copy.rate_limits = self.life.rates.limits_for(request, pre.queue_id)
+            # no key to make (claim_for sends no claim for such a task): made there already
+            copy.rate_limits = pre.rate_limits
             self._settle(copy, pre.outcome())
             return None
         # no claim rode kombu's write (or it failed there): claimed here under a new owner
@@ -150,7 +152,8 @@ class ClaimGate:
             logger.exception("Claim gate cannot read %s[%s]", request.name, request.id)
             return None
         # a canvas part's owner names its run, so its completion record does (runs.py)
-        owner = with_run(new_owner(self.runtime.hostname), run_of(request_fields(request)))
+        run = run_of(request_fields(request))
+        owner = with_run(new_owner(self.runtime.hostname), run)
         lanes = self.runtime.lanes
         try:
             key = self._key_of(request, queue_id, task_key, owner)
@@ -170,6 +173,7 @@ class ClaimGate:
             guarded=is_guarded(request.task),
             key=key,
             lane_key=lane_key,
+            run=run,
         )
         copy.rate_limits = rate_limits
         self._claim(copy)
@@ -236,6 +240,7 @@ class ClaimGate:
         *,
         keyed: bool = False,
         limits: tuple[Limit, ...] = (),
+        run: int | None = None,
     ) -> ScriptCall[Any]:
         return self.runtime.manager.claim_call(
             queue_id,
@@ -247,10 +252,10 @@ class ClaimGate:
             max_takeovers=None if keyed else self.settings.max_takeovers,
             given_up_ttl_ms=self.settings.done_ttl_ms,
             # a rated copy's first rate check goes in its claim's call (not on a Cluster)
-            rate=self.life.rates.claim_part(limits),
+            rate=self.life.rates.claim_part(limits) if limits else None,
             # a later run of a canvas part is not turned away by an earlier run's record;
             # a key's record is the key's, whatever the run
-            run=None if keyed else owner_run(owner),
+            run=None if keyed else run,
         )
 
     # --- claims riding kombu's delivery transaction -----------------------------------------
@@ -288,13 +293,14 @@ class ClaimGate:
             lane = lanes.lane_of(queue_id, name) if lanes is not None else None
             if lane is not None and lane.spec.keyed:
                 return None  # so is a keyed lane's key
-            if self.life.rates.needs_arguments(task, name, queue_id):
+            limits = self.life.rates.unkeyed_limits(task, name, queue_id)
+            if limits is None:
                 return None  # and a rate's key
             task_key = claim_task_id(task_id, attempt_of(headers))
-            owner = with_run(new_owner(self.runtime.hostname), run_of(headers))
-            limits = self.life.rates.unkeyed_limits(task, name, queue_id)
-            call = self._claim_call(queue_id, task_key, owner, lease_ms, limits=limits)
-            pre = _Preclaim(owner, queue_id, task_key, lease_ms, call)
+            run = run_of(headers)
+            owner = with_run(new_owner(self.runtime.hostname), run)
+            call = self._claim_call(queue_id, task_key, owner, lease_ms, limits=limits, run=run)
+            pre = _Preclaim(owner, queue_id, task_key, lease_ms, run, limits, call)
         except Exception:
             return None  # the gate claims it on its own (or reports what is wrong)
         self._pre[message.delivery_tag] = pre
@@ -330,6 +336,7 @@ class ClaimGate:
                 copy.lease_ms,
                 keyed=copy.key is not None,
                 limits=copy.rate_limits,
+                run=copy.run,
             )
             pipe = self.pipe()
             if pipe is not None:
@@ -450,21 +457,7 @@ class ClaimGate:
         self.inner(request)
 
     def _wrap(self, copy: Copy) -> None:
-        life = self.life
-        hook_request(
-            copy.request,
-            RequestHooks(
-                accepted=lambda: life.started(copy),
-                succeeded=lambda handler: _report(copy, life.done.succeeded, handler),
-                failed=lambda exc, handler: _report(
-                    copy, lambda c, h: life.failed(c, exc, h), handler
-                ),
-                timed_out=lambda soft, handler: _report(
-                    copy, lambda c, h: life.timed_out(c, soft, h), handler
-                ),
-                revoked=lambda: life.revoked(copy),
-            ),
-        )
+        hook_request(copy.request, _Hooks(copy, self.life))
 
     # --- connection restarts and shutdown ---------------------------------------------------
 
@@ -496,6 +489,33 @@ class ClaimGate:
             with contextlib.suppress(Exception):
                 self._pipe.close()
         self.life.connection_lost()
+
+
+class _Hooks:
+    """The pool's reports on one copy, to the lifecycle (:class:`RequestHooks`)."""
+
+    __slots__ = ("copy", "life")
+
+    def __init__(self, copy: Copy, life: Lifecycle) -> None:
+        self.copy = copy
+        self.life = life
+
+    def accepted(self) -> None:
+        self.life.started(self.copy)
+
+    def succeeded(self, handler: Callable[[], object]) -> None:
+        _report(self.copy, self.life.done.succeeded, handler)
+
+    def failed(self, exc: BaseException | None, handler: Callable[[], object]) -> None:
+        life = self.life
+        _report(self.copy, lambda c, h: life.failed(c, exc, h), handler)
+
+    def timed_out(self, soft: bool, handler: Callable[[], object]) -> None:
+        life = self.life
+        _report(self.copy, lambda c, h: life.timed_out(c, soft, h), handler)
+
+    def revoked(self) -> None:
+        self.life.revoked(self.copy)
 
 
 def _report(

@@ -78,6 +78,9 @@ logger = get_logger("celery_claims.worker")
 #: publishing the replacement (and a task raising it asks for no re-run).
 _DONE_EXCEPTIONS = (Retry, Ignore)
 
+#: The one state a copy starts from (:meth:`Lifecycle.started`; made once, not per message).
+_QUEUED = frozenset({State.QUEUED})
+
 
 class _Wired:
     """An attribute of the lifecycle kept in its :class:`Wiring`, shared by every part."""
@@ -153,6 +156,9 @@ class Lifecycle:
         self.done = Completion(w, reg, self.ends, self.losses)
         #: copies waiting for their fleet-wide rates (claimed, before their lane)
         self.rates = WorkerRates(w, reg, self._past_rates)
+        #: lease (ms) -> whether a claim of it is renewed more often than the keeper beats
+        #: (it wakes the keeper): a few distinct leases, asked for every claim
+        self._short_leases: dict[int, bool] = {}
         if lanes is not None:
             lanes.slots = w.slots
             lanes.waker = w.waker
@@ -230,9 +236,11 @@ class Lifecycle:
         guarded: bool,
         key: KeyedClaim | None = None,
         lane_key: str = "",
+        run: int | None = None,
     ) -> Copy:
         """A new copy in the gate (``RECEIVED``); ``key``: its keyed claim, if any;
-        ``lane_key``: its key in a keyed lane, if it is in one."""
+        ``lane_key``: its key in a keyed lane, if it is in one; ``run``: the canvas run its
+        owner names."""
         refresh = self.w.settings.refresh_unacked
         copy = Copy(
             request=request,
@@ -244,6 +252,7 @@ class Lifecycle:
             delivery=Delivery.of(request.message) if refresh else None,
             key=key,
             lane_key=lane_key,
+            run=run,
         )
         self.reg.add(copy)
         return copy
@@ -267,7 +276,12 @@ class Lifecycle:
             took_over and self.w.settings.max_takeovers is not None and copy.key is None
         )
         copy.renew_sent_at = time.monotonic()
-        if self.w.settings.renew_interval_for(copy.lease_ms) < self.w.settings.renew_interval_ms:
+        short = self._short_leases.get(copy.lease_ms)
+        if short is None:
+            settings = self.w.settings
+            short = settings.renew_interval_for(copy.lease_ms) < settings.renew_interval_ms
+            self._short_leases[copy.lease_ms] = short
+        if short:
             self.w.wake_keeper()
         copy.request.claim = copy
         self.holds.cancel_timer(copy)
@@ -297,6 +311,8 @@ class Lifecycle:
             # its rates first: a copy waiting for its turn to start holds no lane slot
             self.reg.move(copy, State.WAITING)
             self.rates.admit(copy, copy.rate_limits, lane, rate)
+        elif lane is None:
+            self.turns.in_turn(copy)  # no rate, no lane (the common case): to its turn
         else:
             self._past_rates(copy, lane)
 
@@ -325,7 +341,7 @@ class Lifecycle:
         """The pool started the copy (``on_accepted``): ``QUEUED`` -> ``RUNNING``."""
         if copy.time_limit_s is not None:
             copy.renew_until = time.monotonic() + copy.time_limit_s
-        if self.reg.move(copy, State.RUNNING, only_from=frozenset({State.QUEUED})):
+        if self.reg.move(copy, State.RUNNING, only_from=_QUEUED):
             self.acks.take(copy)
         if copy.mark_start and not copy.guarded and copy.token is not None:
             self._mark_started(copy.token)

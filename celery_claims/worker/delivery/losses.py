@@ -7,7 +7,7 @@ import signal
 
 from celery.utils.log import get_logger
 
-from celery_claims.runs import owner_run, with_run
+from celery_claims.runs import with_run
 from celery_claims.worker import signals
 from celery_claims.worker.compat import result_ready, set_request_field
 from celery_claims.worker.delivery.copy import Copy
@@ -109,9 +109,7 @@ class Losses:
         # a new owner: under its old one the copy would simply re-claim the task
         owner = new_owner(self.w.hostname)
         # a canvas part's new owner names its run, as its first did (gate.py)
-        copy.owner = (
-            with_run(owner, owner_run(copy.owner)) if copy.key is None else copy.key.owner(owner)
-        )
+        copy.owner = with_run(owner, copy.run) if copy.key is None else copy.key.owner(owner)
         copy.token = None
         set_request_field(copy.request, REQUEST_KEY, None)
         if self.w.recheck is not None:

@@ -164,6 +164,9 @@ class WorkerRates:
         self.granted = granted
         self.specs: dict[str, RateSpec | None] = {}
         self._signatures: dict[str, Any] = {}
+        #: (task name, queue) -> its limits where they need no key, None where they do: the
+        #: same for every message, so made once (:meth:`unkeyed_limits`)
+        self._unkeyed: dict[tuple[str, str], tuple[Limit, ...] | None] = {}
         self._lanes_by_queue: dict[str, list[LaneSpec]] = {}
         for lane in w.settings.lanes:
             if lane.rate is not None:
@@ -205,23 +208,26 @@ class WorkerRates:
                 return spec
         return None
 
-    def needs_arguments(self, task: Any, name: str, queue_id: str) -> bool:
-        """Whether a message's rate limits are made from its decoded arguments (a key)."""
+    def unkeyed_limits(self, task: Any, name: str, queue_id: str) -> tuple[Limit, ...] | None:
+        """:meth:`limits_for` a message of ``task`` from ``queue_id``, made from its name and
+        queue alone, before it is decoded; None where they need its arguments (a rate's or a
+        rated lane's key). The same for every message of the task and queue: made once."""
+        try:
+            return self._unkeyed[name, queue_id]
+        except KeyError:
+            pass
         spec = self.spec_of(task, name)
         lane = self.rated_lane(queue_id, name)
-        return (spec is not None and spec.keyed) or (lane is not None and lane.rate_keyed)
-
-    def unkeyed_limits(self, task: Any, name: str, queue_id: str) -> tuple[Limit, ...]:
-        """:meth:`limits_for` a message of ``task`` whose limits need no key (see
-        :meth:`needs_arguments`): made from its name and queue alone, before it is decoded."""
-        limits: list[Limit] = []
-        spec = self.spec_of(task, name)
-        if spec is not None:
-            limits.append(Limit(spec.limit_name(""), spec.rate))
-        lane = self.rated_lane(queue_id, name)
-        if lane is not None and lane.rate is not None:
-            limits.append(Limit(f"lane:{lane.name}", lane.rate))
-        return tuple(limits)
+        limits: tuple[Limit, ...] | None = None
+        if not ((spec is not None and spec.keyed) or (lane is not None and lane.rate_keyed)):
+            made: list[Limit] = []
+            if spec is not None:
+                made.append(Limit(spec.limit_name(""), spec.rate))
+            if lane is not None and lane.rate is not None:
+                made.append(Limit(f"lane:{lane.name}", lane.rate))
+            limits = tuple(made)
+        self._unkeyed[name, queue_id] = limits
+        return limits
 
     def claim_part(self, limits: Sequence[Limit]) -> RatePart | None:
         """The check of ``limits`` to send in the copy's claim call, or None: no limits, or
@@ -239,8 +245,11 @@ class WorkerRates:
         Raises:
             KeyRefused: a rate's key cannot be made from its arguments.
         """
-        limits: list[Limit] = []
         name = request.name
+        unkeyed = self.unkeyed_limits(request.task, name, queue_id)
+        if unkeyed is not None:
+            return unkeyed  # no key to make: the common case
+        limits: list[Limit] = []
         spec = self.spec_of(request.task, name)
         if spec is not None:
             key = ""

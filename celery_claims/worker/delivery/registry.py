@@ -13,7 +13,14 @@ import time
 from collections.abc import Callable
 
 from celery_claims.worker.delivery.copy import Copy
-from celery_claims.worker.delivery.state import IN_POOL, RENEWED, TRANSITIONS, State, move
+from celery_claims.worker.delivery.state import (
+    IN_POOL,
+    RENEWED,
+    TRANSITIONS,
+    IllegalMove,
+    State,
+    move,
+)
 
 __all__ = ["Registry"]
 
@@ -77,7 +84,12 @@ class Registry:
         with self.lock:
             if only_from is not None and copy.state not in only_from:
                 return False
-            was, copy.state = copy.state, move(copy.state, to, claim_id=copy.claim_id)
+            was = copy.state
+            try:
+                copy.state = move(was, to)
+            except IllegalMove:
+                # the claim id for the error only: every message moves four times
+                raise IllegalMove(was, to, copy.claim_id) from None
             if TRANSITIONS[to]:
                 self.by_id[id(copy)] = copy
             else:
@@ -88,7 +100,10 @@ class Registry:
 
     def move_locked(self, copy: Copy, to: State) -> None:
         """:meth:`move` for a caller that holds :attr:`lock` and stays in a live state."""
-        copy.state = move(copy.state, to, claim_id=copy.claim_id)
+        try:
+            copy.state = move(copy.state, to)
+        except IllegalMove:
+            raise IllegalMove(copy.state, to, copy.claim_id) from None
 
     def go_stale(self, copy: Copy, why: str, *, other_owner: bool) -> bool:
         """Move a copy in the pool or completing to ``STALE``; False if it is elsewhere.
@@ -99,7 +114,11 @@ class Registry:
         with self.lock:
             if copy.state not in (State.QUEUED, State.RUNNING, State.COMPLETING):
                 return False
-            was, copy.state = copy.state, move(copy.state, State.STALE, claim_id=copy.claim_id)
+            was = copy.state
+            try:
+                copy.state = move(was, State.STALE)
+            except IllegalMove:
+                raise IllegalMove(was, State.STALE, copy.claim_id) from None
             copy.stale_why = why
             copy.other_owner = other_owner
         if copy.mark_start and was in IN_POOL:

@@ -54,6 +54,11 @@ class State(enum.Enum):
     #: let go without acking: forgotten, handed back, or its connection closed (terminal)
     GONE = "gone"
 
+    # Members are singletons, equal only to themselves: hashed by identity in C, not by
+    # Enum's Python-level hash(self._name_), which every `state in IN_POOL` and every
+    # TRANSITIONS lookup paid for (about 19 Python calls a message).
+    __hash__ = object.__hash__
+
 
 #: The legal moves. Anything else is a bug, and raises.
 TRANSITIONS: dict[State, frozenset[State]] = {

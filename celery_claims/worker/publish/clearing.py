@@ -60,6 +60,8 @@ class WorkerJournal:
         self._queues = QueueResolver(app)
         self._lock = threading.Lock()
         self._pending: dict[str, set[str]] = {}
+        #: the keys in ``_pending``, counted as they are noted (not summed per message)
+        self._pending_count = 0
         self._next_scan = 0.0
         self._scanner: threading.Thread | None = None
         self._sender = ScriptSender()
@@ -111,8 +113,11 @@ class WorkerJournal:
 
     def _note(self, queue_id: str, task_key: str) -> None:
         with self._lock:
-            if sum(len(keys) for keys in self._pending.values()) < MAX_PENDING_CLEARS:
-                self._pending.setdefault(queue_id, set()).add(task_key)
+            if self._pending_count < MAX_PENDING_CLEARS:
+                keys = self._pending.setdefault(queue_id, set())
+                if task_key not in keys:
+                    keys.add(task_key)
+                    self._pending_count += 1
 
     def _cleared(
         self, queue_id: str, task_key: str, reply: Any, error: BaseException | None
@@ -145,7 +150,7 @@ class WorkerJournal:
         """Clear the noted entries: one pipeline per queue (kept for the next beat if the
         store cannot be reached)."""
         with self._lock:
-            pending, self._pending = self._pending, {}
+            pending, self._pending, self._pending_count = self._pending, {}, 0
         for queue_id, keys in pending.items():
             try:
                 self.store.forget(queue_id, keys)
