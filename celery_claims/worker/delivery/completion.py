@@ -10,6 +10,7 @@ message is acked only once it is written.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,8 @@ from celery_claims.worker.transport.broker import BrokerRide
 __all__ = ["Completion"]
 
 logger = get_logger("celery_claims.worker")
+
+_COMPLETING = frozenset({State.COMPLETING})
 
 
 class Completion:
@@ -247,7 +250,7 @@ class Completion:
     def completed(self, copy: Copy, why: str) -> None:
         """The record is written (``COMPLETING`` -> ``DONE``): its journal entry goes, then the
         ack that waited for it, on the consumer's thread."""
-        if not self.reg.move(copy, State.DONE, only_from=frozenset({State.COMPLETING})):
+        if not self.reg.move(copy, State.DONE, only_from=_COMPLETING):
             return
         if copy.ride_tag is not None:
             # recorded before Celery's ack came (by the keeper): kombu's own ack will do
@@ -256,7 +259,8 @@ class Completion:
         self.w.recent.add(copy.token)
         self.w.counters.incr("completed")
         self.w.on_gone(copy.queue_id, copy.task_key, True)
-        logger.debug("Claim %s: %s, recorded done", copy.claim_id, why)
+        if logger.isEnabledFor(logging.DEBUG):  # its claim id is built for the log only
+            logger.debug("Claim %s: %s, recorded done", copy.claim_id, why)
         ack, copy.deferred_ack = copy.deferred_ack, None
         if ack is not None:
             self.w.on_loop(_quietly, ack, copy)
