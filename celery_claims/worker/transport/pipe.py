@@ -114,6 +114,12 @@ def _decoded(call: ScriptCall[Any], reply: Any) -> Outcome:
     """A call's reply as its result, or the package's error it is (never raises)."""
     if isinstance(reply, redis_errors.ResponseError):
         return _reply_error(reply)
+    return _result(call, reply)
+
+
+def _result(call: ScriptCall[Any], reply: Any) -> Outcome:
+    """A reply that is not an error reply as its call's result, or the error it decodes to
+    (never raises)."""
     try:
         return call.decode(reply)
     except ClaimError as exc:
@@ -531,18 +537,20 @@ class StorePipe:
         item = self._pending.popleft()
         if item.call is None:
             return  # a SCRIPT LOAD's reply (an error shows in the call sent after it)
-        if isinstance(reply, redis_errors.NoScriptError) and not item.resent:
+        outcome: Outcome
+        if not isinstance(reply, redis_errors.ResponseError):
+            outcome = _result(item.call, reply)
+        elif isinstance(reply, redis_errors.NoScriptError) and not item.resent:
             self._resend(item)
             return
-        if isinstance(reply, redis_errors.MovedError) and self.redirect and not item.resent:
+        elif isinstance(reply, redis_errors.MovedError) and self.redirect and not item.resent:
             self.redirect(reply, item.call, item.callback)
             return
-        outcome: Outcome
-        if isinstance(reply, redis_errors.AskError):
+        elif isinstance(reply, redis_errors.AskError):
             # MOVED once more, or ASK: the slot is being migrated; tried again later
             outcome = BackendUnavailable(f"claim store unavailable: slot moving ({reply})")
         else:
-            outcome = _decoded(item.call, reply)
+            outcome = _reply_error(reply)
         self._deliver(item.callback, outcome)
 
     def _resend(self, item: _Pending) -> None:
