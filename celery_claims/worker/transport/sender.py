@@ -122,17 +122,15 @@ _HEADS_KEPT = 1024
 
 def _ascii_words(words: list[Any]) -> bytes | None:
     """``words`` (exact ``str`` and ``int``, all ASCII) as RESP bulk strings, or None."""
-    text = []
+    text = ""
     for word in words:
-        kind = type(word)
-        if kind is int:
+        if type(word) is not str:
+            if type(word) is not int:
+                return None
             word = str(word)  # redis-py's encoder: repr(int)
-        elif kind is not str:
-            return None
-        text.append(f"${len(word)}\r\n{word}\r\n")
-    joined = "".join(text)
+        text += f"${len(word)}\r\n{word}\r\n"
     # one check for all: an ASCII word's length in characters is its length in bytes
-    return joined.encode("ascii") if joined.isascii() else None
+    return text.encode() if text.isascii() else None
 
 
 def pack_call(call: ScriptCall[Any], conn: Any) -> bytes:
