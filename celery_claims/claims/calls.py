@@ -130,13 +130,15 @@ def as_text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScriptCall(Generic[_T]):
-    """One script call, checked and built but not sent.
+    """One script call, checked and built but not sent; never changed once built.
 
     :meth:`RedisClaimManager.execute` sends it through the manager's client; a worker's
     consumer sends it on its own connection (``celery_claims.worker.transport.pipe``). Either way
     the reply goes through ``decode``, which returns the result or raises the package's error.
+    Not a frozen dataclass: a worker builds two a message, and a frozen one costs three times
+    as much to build (each field set through ``object.__setattr__``).
 
     Attributes:
         script: the registered script (``sha`` for ``EVALSHA``, ``script`` for ``EVAL``).
@@ -156,18 +158,19 @@ class ScriptCall(Generic[_T]):
 
 @dataclass(frozen=True, slots=True)
 class ManyPart:
-    """A call's part in a ``claim_many`` script call (claim_many.lua).
+    """How a call goes in a ``claim_many`` script call (claim_many.lua): its operation code
+    and then its own ``ARGV``. One per operation and queue, shared by their calls.
 
     Attributes:
         script: the registered ``claim_many`` script (on the same client as the call's).
         keys: the ``KEYS`` of claim_many.lua for the call's queue (claim.lua's); calls with
             the same ``keys`` can go in one call.
-        args: the operation code and the call's own ``ARGV``.
+        op: the operation's code in claim_many.lua (``MANY_OPS``).
     """
 
     script: Script
     keys: list[str]
-    args: list[Any]
+    op: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,9 +226,10 @@ def many_call(calls: Sequence[ScriptCall[Any]]) -> ScriptCall[list[Any]]:
     if first is None or any(part is None or part.keys != first.keys for part in parts):
         raise InvalidArgument("calls", "must all be claims or records of one queue")
     args: list[Any] = []
-    for part in parts:
-        assert part is not None
-        args += part.args
+    for call in calls:
+        assert call.many is not None
+        args.append(call.many.op)
+        args += call.args
     return ScriptCall(first.script, first.keys, args, _many_replies)
 
 
@@ -256,6 +260,12 @@ def _done_result(reply: Any, queue_id: str, task_id: str) -> AlreadyDone | Given
     if not isinstance(record, (AlreadyDone, GivenUp)):
         raise BackendError(f"done.lua answered {record!r}, not a record")
     return record
+
+
+def _claim_result(queue_id: str, task_id: str, owner: str, reply: Any) -> GateResult:
+    """:func:`gate_result` with the reply last: a claim call's ``decode`` is a partial of it
+    with positional arguments only, the cheapest to call."""
+    return gate_result(reply, queue_id, task_id, owner)
 
 
 def gate_result(reply: Any, queue_id: str, task_id: str, owner: str) -> GateResult:
@@ -305,6 +315,7 @@ class ScriptRunner:
     _queues_key: str
     _known_queues: set[str]
     _queue_keys: dict[str, QueueKeys]
+    _many_parts: dict[tuple[str, str], ManyPart]
     _scripts: dict[str, Script]
     _send: Callable[[ScriptCall[Any]], Any] | None
 
@@ -351,6 +362,7 @@ class ScriptRunner:
             keys = QueueKeys(self.prefix, require_id("queue_id", queue_id))
             if len(self._queue_keys) >= _QUEUE_KEYS_CACHED:
                 self._queue_keys.clear()
+                self._many_parts.clear()
             self._queue_keys[queue_id] = keys
         return keys
 
@@ -419,8 +431,8 @@ class ScriptRunner:
             self._scripts["claim"],
             keys.claim_keys,
             args,
-            partial(gate_result, queue_id=queue_id, task_id=task_id, owner=owner),
-            self._many("claim", keys, args),
+            partial(_claim_result, queue_id, task_id, owner),
+            self._many("claim", keys),
         )
 
     @property
@@ -433,9 +445,14 @@ class ScriptRunner:
     def _rate_pad(self) -> str:
         return "0" if self._clock is None else str(CALLER_CLOCK_TTL_PAD_MS)
 
-    def _many(self, name: str, keys: QueueKeys, args: list[Any]) -> ManyPart:
-        """The part of a ``name`` call of queue ``keys`` in a ``claim_many`` call."""
-        return ManyPart(self._scripts["claim_many"], keys.claim_keys, [MANY_OPS[name], *args])
+    def _many(self, name: str, keys: QueueKeys) -> ManyPart:
+        """How a ``name`` call of queue ``keys`` goes in a ``claim_many`` call (built once
+        per operation and queue)."""
+        part = self._many_parts.get((name, keys.queue_id))
+        if part is None:
+            part = ManyPart(self._scripts["claim_many"], keys.claim_keys, MANY_OPS[name])
+            self._many_parts[(name, keys.queue_id)] = part
+        return part
 
     def execute(self, call: ScriptCall[_T]) -> _T:
         """Send ``call``, wait for its reply and decode it (one round trip).
@@ -603,7 +620,7 @@ class ScriptRunner:
             keys.release_keys,
             args,
             partial(_ack_done_result, token=token),
-            self._many("ack_done", keys, args),
+            self._many("ack_done", keys),
         )
 
     def done_record_call(

@@ -18,6 +18,7 @@ from redis.commands.core import Script
 
 from celery_claims.claims.calls import (
     SCRIPTS,
+    ManyPart,
     RatedClaim,
     RedisClient,
     ScriptCall,
@@ -156,6 +157,7 @@ class RedisClaimManager(ScriptRunner):
         self._queues_key = queues_key(self.prefix)
         self._known_queues: set[str] = set()
         self._queue_keys: dict[str, QueueKeys] = {}
+        self._many_parts: dict[tuple[str, str], ManyPart] = {}
         self._scripts: dict[str, Script] = {
             name: client.register_script(script_source(name)) for name in SCRIPTS
         }

@@ -143,7 +143,8 @@ def test_a_malformed_call_is_refused_before_anything_is_written(
     assert claim.many is not None
     before = redis_snapshot(manager)
     script = manager.scripts["claim_many"]
-    for args in ([*claim.many.args, "x"], [*claim.many.args, *claim.many.args[:-1]]):
+    part = [claim.many.op, *claim.args]  # the call's part of a claim_many call's ARGV
+    for args in ([*part, "x"], [*part, *part[:-1]]):
         with pytest.raises(redis_errors.ResponseError, match="claim_many"):
             script(keys=claim.many.keys, args=args)
     assert redis_snapshot(manager) == before

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import pytest
 import redis
@@ -310,3 +311,40 @@ def test_the_packer_writes_what_redis_pys_writes(args: tuple[object, ...]) -> No
 def test_the_packer_refuses_what_redis_py_refuses() -> None:
     with pytest.raises(redis.DataError):
         sender.pack_commands([("SET", "k", True)], redis.Connection())
+
+
+class _Script:
+    """What ``sender.pack_call`` reads of a registered script: its SHA."""
+
+    sha = "b" * 40
+
+
+@pytest.mark.parametrize(
+    ("keys", "args"),
+    [
+        (["{q}:c", "{q}:n"], ["t-1", OWNER, 30_000, "", "1", 0, -5]),
+        ([], []),
+        (["{q}:c"], ["v\u00e9\u4e2d", 2**70, _Text("t")]),  # not ASCII, a str subclass
+        (["{q\u00e9}:c"], ["t-1"]),  # a key that is not ASCII
+        (["{q}:c"], ["t-1", b"k\x00\xff", 1.5]),  # bytes, a float: left to redis-py
+    ],
+)
+@pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
+def test_a_call_is_packed_as_redis_py_packs_its_evalsha(
+    keys: list[str], args: list[object], encoding: str
+) -> None:
+    # Given a script call and a connection of that encoding
+    connection = redis.Connection(encoding=encoding)
+    script: Any = _Script()  # a stand-in: only its SHA is read
+    call: ScriptCall[object] = ScriptCall(script, keys, args, lambda reply: reply)
+    words = ("EVALSHA", _Script.sha, len(keys), *keys, *args)
+    try:
+        expected = b"".join(connection.pack_commands([words]))
+    except UnicodeEncodeError:  # text the encoding cannot hold: refused alike
+        with pytest.raises(UnicodeEncodeError):
+            sender.pack_call(call, connection)
+        return
+    # When it is packed twice (the second time from its packed script and keys)
+    # Then both times it is what redis-py writes
+    assert sender.pack_call(call, connection) == expected
+    assert sender.pack_call(call, connection) == expected

@@ -18,7 +18,7 @@ without blocking the consumer's event loop:
   (RESP replies are ordered): a ``poll(2)`` before the first, then those redis-py's parser
   already holds (replies still in the socket make it readable again: the hub polls
   level-triggered); a reply nobody asked for drops the connection. Calls are packed by the
-  package's packer (:func:`~celery_claims.worker.transport.sender.pack_commands`);
+  package's packer (:func:`~celery_claims.worker.transport.sender.pack_call`);
 - one entry on the hub's timer, due when the oldest call's reply is overdue, fails every
   waiting call with :class:`~celery_claims.errors.BackendUnavailable` and drops the
   connection; the gate holds such copies (fails closed) and claims them again later.
@@ -64,7 +64,7 @@ from celery_claims.claims.calls import MANY_MAX_CALLS, ScriptCall, many_call
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable, socket_of
 from celery_claims.errors import BackendError, BackendUnavailable, ClaimError
-from celery_claims.worker.transport.sender import pack_commands
+from celery_claims.worker.transport.sender import pack_call, pack_commands
 
 __all__ = ["ClusterPipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
 
@@ -114,6 +114,12 @@ def _decoded(call: ScriptCall[Any], reply: Any) -> Outcome:
     """A call's reply as its result, or the package's error it is (never raises)."""
     if isinstance(reply, redis_errors.ResponseError):
         return _reply_error(reply)
+    return _result(call, reply)
+
+
+def _result(call: ScriptCall[Any], reply: Any) -> Outcome:
+    """A reply that is not an error reply as its call's result, or the error it decodes to
+    (never raises)."""
     try:
         return call.decode(reply)
     except ClaimError as exc:
@@ -121,6 +127,9 @@ def _decoded(call: ScriptCall[Any], reply: Any) -> Outcome:
     except Exception as exc:
         return BackendError(f"claim store: unreadable reply {reply!r:.200}: {exc}")
 
+
+#: A command to send: a script call (its ``EVALSHA``), or another command's words.
+_Command = ScriptCall[Any] | tuple[Any, ...]
 
 #: A deferred call and its callback (:meth:`StorePipe.defer`).
 _Deferred = tuple[ScriptCall[Any], Callable[[Outcome], None]]
@@ -348,12 +357,12 @@ class StorePipe:
 
     # --- sending and reading ----------------------------------------------------------------
 
-    def _enqueue(self, item: _Pending, *, load: bool) -> list[tuple[Any, ...]]:
+    def _enqueue(self, item: _Pending, *, load: bool) -> list[_Command]:
         """Queue ``item`` (after a ``SCRIPT LOAD`` of its script if ``load``) and return the
         commands to send; the replies come back in this order."""
         call = item.call
         assert call is not None
-        commands: list[tuple[Any, ...]] = []
+        commands: list[_Command] = []
         if load:
             # in the same write, and nobody waits for its reply: the call behind it finds the
             # script whatever the store's cache held
@@ -364,7 +373,7 @@ class StorePipe:
         self._seq += 1
         item.seq = self._seq
         self._pending.append(item)
-        commands.append(("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args))
+        commands.append(call)
         return commands
 
     def _on_tick(self) -> None:
@@ -384,7 +393,7 @@ class StorePipe:
             self._send(commands)
             self._arm()
 
-    def _take_deferred(self) -> list[tuple[Any, ...]]:
+    def _take_deferred(self) -> list[_Command]:
         """Queue the deferred calls, those of one queue in ``claim_many`` calls, and return
         the commands to send."""
         if not self._deferred:
@@ -402,7 +411,7 @@ class StorePipe:
             groups.setdefault((call.many.script.sha, call.many.keys[0]), []).append(
                 (call, callback)
             )
-        commands: list[tuple[Any, ...]] = []
+        commands: list[_Command] = []
         for group in groups.values():
             for start in range(0, len(group), MANY_MAX_CALLS):
                 part = group[start : start + MANY_MAX_CALLS]
@@ -426,14 +435,21 @@ class StorePipe:
         for _, callback in parts:
             self._deliver(callback, outcome)
 
-    def _send(self, commands: list[tuple[Any, ...]]) -> None:
+    def _send(self, commands: list[_Command]) -> None:
         """Write ``commands`` in one write (packed by the package's packer, as a pool
-        process's calls are: a third of redis-py's packing)."""
+        process's calls are)."""
         connection = self.connection
         try:
-            packed = pack_commands(commands, connection)
+            packed = b"".join(
+                [
+                    pack_commands([command], connection)[0]
+                    if isinstance(command, tuple)
+                    else pack_call(command, connection)
+                    for command in commands
+                ]
+            )
             # no health check here: a PING's reply would be read as a waiting call's
-            connection.send_packed_command(packed, check_health=False)
+            connection.send_packed_command([packed], check_health=False)
         except (redis_errors.RedisError, OSError) as exc:
             self._broken(exc)
 
@@ -521,18 +537,20 @@ class StorePipe:
         item = self._pending.popleft()
         if item.call is None:
             return  # a SCRIPT LOAD's reply (an error shows in the call sent after it)
-        if isinstance(reply, redis_errors.NoScriptError) and not item.resent:
+        outcome: Outcome
+        if not isinstance(reply, redis_errors.ResponseError):
+            outcome = _result(item.call, reply)
+        elif isinstance(reply, redis_errors.NoScriptError) and not item.resent:
             self._resend(item)
             return
-        if isinstance(reply, redis_errors.MovedError) and self.redirect and not item.resent:
+        elif isinstance(reply, redis_errors.MovedError) and self.redirect and not item.resent:
             self.redirect(reply, item.call, item.callback)
             return
-        outcome: Outcome
-        if isinstance(reply, redis_errors.AskError):
+        elif isinstance(reply, redis_errors.AskError):
             # MOVED once more, or ASK: the slot is being migrated; tried again later
             outcome = BackendUnavailable(f"claim store unavailable: slot moving ({reply})")
         else:
-            outcome = _decoded(item.call, reply)
+            outcome = _reply_error(reply)
         self._deliver(item.callback, outcome)
 
     def _resend(self, item: _Pending) -> None:

@@ -40,7 +40,7 @@ from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import socket_of
 from celery_claims.errors import BackendUnavailable, InvalidArgument
 
-__all__ = ["ScriptCaller", "ScriptSender", "keep_calls", "pack_commands", "usable"]
+__all__ = ["ScriptCaller", "ScriptSender", "keep_calls", "pack_call", "pack_commands", "usable"]
 
 
 #: ``select.poll``, or None where the process has none: eventlet's monkey patching deletes it
@@ -99,6 +99,62 @@ def _commands(call: ScriptCall[Any], loaded: set[str]) -> list[tuple[Any, ...]]:
         return [evalsha]
     loaded.add(sha)
     return [("SCRIPT", "LOAD", call.script.script), evalsha]
+
+
+def _script_commands(call: ScriptCall[Any], loaded: set[str], conn: Any) -> list[bytes]:
+    """:func:`_commands`, packed: ``call``'s ``EVALSHA`` (:func:`pack_call`), after a
+    ``SCRIPT LOAD`` of it the first time on the connection."""
+    sha = call.script.sha
+    if sha in loaded:
+        return [pack_call(call, conn)]
+    loaded.add(sha)
+    return [*pack_commands([("SCRIPT", "LOAD", call.script.script)], conn), pack_call(call, conn)]
+
+
+#: Encodings in which ASCII text is its own bytes (:func:`pack_call` packs such words as text).
+_ASCII_SAFE = frozenset({"utf-8", "utf8", "ascii", "us-ascii", "latin-1", "latin1", "iso-8859-1"})
+
+#: The packed ``EVALSHA``, SHA, key count and keys of each script and keys seen (a worker
+#: sends a few per queue); dropped whole when full.
+_HEADS: dict[tuple[str, ...], bytes] = {}
+_HEADS_KEPT = 1024
+
+
+def _ascii_words(words: list[Any]) -> bytes | None:
+    """``words`` (exact ``str`` and ``int``, all ASCII) as RESP bulk strings, or None."""
+    text = ""
+    for word in words:
+        if type(word) is not str:
+            if type(word) is not int:
+                return None
+            word = str(word)  # redis-py's encoder: repr(int)
+        text += f"${len(word)}\r\n{word}\r\n"
+    # one check for all: an ASCII word's length in characters is its length in bytes
+    return text.encode() if text.isascii() else None
+
+
+def pack_call(call: ScriptCall[Any], conn: Any) -> bytes:
+    """``call``'s ``EVALSHA`` in RESP for ``conn``, byte for byte as :func:`pack_commands`
+    (and redis-py) pack it.
+
+    The words of a script call are short ASCII text and ints nearly always, and its script
+    and keys repeat for every call of a queue: those are packed once (:data:`_HEADS`), the
+    arguments as one text, encoded once. Anything else goes to :func:`pack_commands`.
+    """
+    keys, args = call.keys, call.args
+    if conn.encoder.encoding in _ASCII_SAFE:
+        head_key = (call.script.sha, *keys)
+        head = _HEADS.get(head_key)
+        if head is None:
+            head = _ascii_words(["EVALSHA", call.script.sha, len(keys), *keys])
+            if head is not None:
+                if len(_HEADS) >= _HEADS_KEPT:
+                    _HEADS.clear()
+                _HEADS[head_key] = head
+        words = _ascii_words(args) if head is not None else None
+        if words is not None:
+            return b"*%d\r\n%s%s" % (3 + len(keys) + len(args), head, words)
+    return pack_commands([("EVALSHA", call.script.sha, len(keys), *keys, *args)], conn)[0]
 
 
 def pack_commands(commands: list[tuple[Any, ...]], conn: Any) -> list[bytes]:
@@ -186,8 +242,8 @@ class ScriptSender:
             try:
                 conn = self._connection(client)
                 self._read_arrived(conn)
-                commands = _commands(call, self._loaded)
-                conn.send_packed_command(pack_commands(commands, conn))
+                commands = _script_commands(call, self._loaded, conn)
+                conn.send_packed_command([b"".join(commands)])
                 self._waiting.extend([None] * (len(commands) - 1) + [on_reply or self.on_reply])
                 if len(self._waiting) > self.max_unread:
                     self._catch_up(conn)
@@ -381,10 +437,11 @@ class _Kept:
     def transaction(self, commands: list[tuple[Any, ...]], call: ScriptCall[Any]) -> Any:
         self._ready()
         conn = self.conn
-        script = _commands(call, self.loaded)  # [SCRIPT LOAD,] EVALSHA
-        sent = [*script[:-1], ("MULTI",), *commands, script[-1], ("EXEC",)]
-        conn.send_packed_command(pack_commands(sent, conn))
-        replies = self._read(len(sent))
+        script = _script_commands(call, self.loaded, conn)  # [SCRIPT LOAD,] EVALSHA
+        queued = pack_commands([("MULTI",), *commands], conn)
+        sent = [*script[:-1], *queued, script[-1], *pack_commands([("EXEC",)], conn)]
+        conn.send_packed_command([b"".join(sent)])
+        replies = self._read(len(script) + len(commands) + 2)
         if len(script) == 2 and isinstance(replies[0], redis.ResponseError):
             self.loaded.discard(call.script.sha)  # not loaded after all
         result = replies[-1]
@@ -440,8 +497,8 @@ class _Kept:
         """Write ``call`` and read every reply it gets; returns the script's reply, or the
         first error."""
         conn = self.conn
-        commands = _commands(call, self.loaded)
-        conn.send_packed_command(pack_commands(commands, conn))
+        commands = _script_commands(call, self.loaded, conn)
+        conn.send_packed_command([b"".join(commands)])
         replies = self._read(len(commands))
         if len(replies) == 2 and isinstance(replies[0], redis.ResponseError):
             self.loaded.discard(call.script.sha)  # not loaded after all
