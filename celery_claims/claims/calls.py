@@ -417,22 +417,33 @@ class ScriptRunner:
             given_up_ttl_ms,
         ]
         if rate is not None:
-            if not self.folds_rates:
-                raise InvalidArgument("rate", "a Redis Cluster checks rates in a call of their own")
-            return ScriptCall(
-                self._scripts["claim_rated"],
-                [*keys.claim_keys, *rate.keys],
-                [*args, self._rate_pad(), *rate.args],
-                partial(
-                    rated_gate_result, queue_id=queue_id, task_id=task_id, owner=owner, rate=rate
-                ),
-            )
+            return self._rated_claim_call(keys, args, task_id, owner, rate)
         return ScriptCall(
             self._scripts["claim"],
             keys.claim_keys,
             args,
             partial(_claim_result, queue_id, task_id, owner),
             self._many("claim", keys),
+        )
+
+    def _rated_claim_call(
+        self, keys: QueueKeys, args: list[Any], task_id: str, owner: str, rate: RatePart
+    ) -> ScriptCall[GateResult | RatedClaim]:
+        """:meth:`claim_call` with ``rate``: ``claim_rated.lua``, the claim's ``args`` then
+        the rate check's."""
+        if not self.folds_rates:
+            raise InvalidArgument("rate", "a Redis Cluster checks rates in a call of their own")
+        return ScriptCall(
+            self._scripts["claim_rated"],
+            [*keys.claim_keys, *rate.keys],
+            [*args, self._rate_pad(), *rate.args],
+            partial(
+                rated_gate_result,
+                queue_id=keys.queue_id,
+                task_id=task_id,
+                owner=owner,
+                rate=rate,
+            ),
         )
 
     @property

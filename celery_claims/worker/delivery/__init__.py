@@ -6,8 +6,10 @@ Reading order: :mod:`.state` (the states, the legal moves and the endings, as ta
 a state changes; :mod:`.turns`, :mod:`.holds`, :mod:`.unrun`, :mod:`.completion`,
 :mod:`.endings`, :mod:`.losses`, the only code that acks, rejects, forgets a delivery or
 releases a claim), :mod:`.guard` (the pool's side: the body runs only under a verified
-claim), :mod:`.rates` (waiting for a fleet-wide rate), :mod:`.lanes` (with
-:mod:`.lane_model` and :mod:`.lane_tickets`) and :mod:`.keyed` (waiting for a lane's slot or
-a key), :mod:`.verdict` (what a copy does when the store does not take its token),
+claim), :mod:`.rates` (waiting for a fleet-wide rate, with :mod:`.slots` and :mod:`.valve`:
+the prefetch slots a waiting copy gives back, and a queue closed while too many wait),
+:mod:`.lanes` (with :mod:`.lane_model` and :mod:`.lane_tickets`) and :mod:`.keyed` (waiting
+for a lane's slot or a key), :mod:`.verdict` (what a copy does when the store does not take
+its token),
 :mod:`.keeper` (the lease keeper renewing every live claim).
 """

@@ -453,11 +453,8 @@ class ClaimGate:
         set_request_field(request, SETTLE_KEY, settle)
         # read now: `celery control time_limit` may have changed the task's since it arrived
         copy.time_limit_s = time_limit_of(request, request.task, self.runtime.time_limits)
-        self._wrap(copy)
+        hook_request(request, _Hooks(copy, self.life))  # the pool's reports go to the copy
         self.inner(request)
-
-    def _wrap(self, copy: Copy) -> None:
-        hook_request(copy.request, _Hooks(copy, self.life))
 
     # --- connection restarts and shutdown ---------------------------------------------------
 

@@ -47,7 +47,7 @@ from celery_claims.errors import ClaimError, ClaimTokenError
 from celery_claims.model import ClaimToken, Success, TookOver
 from celery_claims.rates import RateResult
 from celery_claims.worker import signals
-from celery_claims.worker.compat import prefetch_qos, set_queue_consuming, task_ready
+from celery_claims.worker.compat import prefetch_qos, task_ready
 from celery_claims.worker.delivery.ack_on_claim import AckOnClaim
 from celery_claims.worker.delivery.completion import Completion
 from celery_claims.worker.delivery.copy import Copy
@@ -63,6 +63,7 @@ from celery_claims.worker.delivery.registry import Registry
 from celery_claims.worker.delivery.state import RENEWED, IllegalMove, State
 from celery_claims.worker.delivery.turns import Turns
 from celery_claims.worker.delivery.unrun import Unrun
+from celery_claims.worker.delivery.valve import QueueValve
 from celery_claims.worker.delivery.verdict import Recovery, Verdict, recover
 from celery_claims.worker.delivery.wiring import Wiring
 from celery_claims.worker.settings import ClaimsSettings
@@ -156,6 +157,8 @@ class Lifecycle:
         self.done = Completion(w, reg, self.ends, self.losses)
         #: copies waiting for their fleet-wide rates (claimed, before their lane)
         self.rates = WorkerRates(w, reg, self._past_rates)
+        #: stops and starts taking a queue's messages for them
+        self.valve = QueueValve(w)
         #: lease (ms) -> whether a claim of it is renewed more often than the keeper beats
         #: (it wakes the keeper): a few distinct leases, asked for every claim
         self._short_leases: dict[int, bool] = {}
@@ -193,35 +196,7 @@ class Lifecycle:
         self.w.waker.attach(self.w.consumer)
         qos, window = prefetch_qos(self.w.consumer)
         if self.w.slots.qos is not qos:
-            self.w.slots.bind(qos, window, self._queue_valve)
-
-    def _queue_valve(self, queue: str, open_: bool) -> None:
-        """Stop or start again taking messages from ``queue`` (slots.py), on the consumer's
-        loop at its next turn: never inside the broker read that delivered a message."""
-        consumer = self.w.consumer
-        if consumer is None:
-            return
-        if open_:
-            logger.info("Taking messages from queue %s again: fewer of them wait for a rate", queue)
-        else:
-            logger.info(
-                "Not taking messages from queue %s for now: two prefetch windows of them wait "
-                "for a rate (the rest stays in the broker; other queues keep flowing)",
-                queue,
-            )
-        self.w.on_loop(consumer.call_soon, self._set_consuming, queue, open_)
-
-    def _set_consuming(self, queue: str, open_: bool) -> None:
-        try:
-            if open_ == (queue not in self.w.slots.closed()):  # else the later call decides
-                set_queue_consuming(self.w.consumer, queue, open_)
-        except Exception:
-            # the connection is failing: a new one consumes every queue again
-            logger.exception("Could not %s queue %s", "resume" if open_ else "pause", queue)
-        finally:
-            # the copies of the queue that wait with their slots taken give them back now:
-            # a raised prefetch count reaches the broker after the cancel, never before
-            self.w.slots.settle(queue)
+            self.w.slots.bind(qos, window, self.valve)
 
     # --- the gate's outcomes ----------------------------------------------------------------
 
@@ -287,20 +262,7 @@ class Lifecycle:
         self.holds.cancel_timer(copy)
         self.w.slots.take_back(copy)
         self.w.counters.incr("took_over" if took_over else "acquired")
-        if isinstance(result, TookOver):
-            logger.info(
-                "Claim %s: took over from %s (instance %d)",
-                copy.claim_id,
-                result.previous_owner,
-                copy.instance,
-            )
-        signals.claim_acquired.send(
-            sender=copy.request.task,
-            request=copy.request,
-            token=copy.token,
-            took_over=took_over,
-            previous_owner=result.previous_owner if isinstance(result, TookOver) else None,
-        )
+        _announce_claim(copy, result)
         if copy.rate_limits or (lane is not None and self.w.lanes is not None):
             # it waits outside the pool, its prefetch slot given back: acked now (when asked),
             # for a wait may outlast the broker's timeout; a copy going to the pool is acked
@@ -426,14 +388,13 @@ class Lifecycle:
             return
         copy.overran = True
         self.w.counters.incr("time_limit_overruns")
-        request = copy.request
         logger.warning(
             "Claim %s: %s[%s] has run past its time limit (%g s), which this pool did not "
             "enforce; its claim is no longer renewed: it expires within claims_lease_ms and "
             "another copy takes the task over",
             copy.claim_id,
-            request.name,
-            request.id,
+            copy.request.name,
+            copy.request.id,
             copy.time_limit_s,
         )
 
@@ -515,3 +476,19 @@ class Lifecycle:
             if copy.state is State.QUEUED:
                 copy.start_by = min(copy.start_by, soon)
         self.w.slots.bind(None, 0)
+
+
+def _announce_claim(copy: Copy, result: Success | TookOver) -> None:
+    """Log a takeover, and send ``claim_acquired`` for a granted claim."""
+    previous = result.previous_owner if isinstance(result, TookOver) else None
+    if isinstance(result, TookOver):
+        logger.info(
+            "Claim %s: took over from %s (instance %d)", copy.claim_id, previous, copy.instance
+        )
+    signals.claim_acquired.send(
+        sender=copy.request.task,
+        request=copy.request,
+        token=copy.token,
+        took_over=isinstance(result, TookOver),
+        previous_owner=previous,
+    )

@@ -259,41 +259,15 @@ class BrokerRide:
         if getattr(qos, self.APPEND_HOOK, None) == claim_for:
             return True
         kombu_append = type(qos).append
-        index_key, unacked_key = qos.unacked_index_key, qos.unacked_key
-        channel = qos.channel
         caller = ScriptCaller()
-        close_with(channel, caller.close)  # its connections go with the channel's
+        close_with(qos.channel, caller.close)  # its connections go with the channel's
 
         def append(message: Any, delivery_tag: Any) -> None:
             call = claim_for(message)
             if call is None:
                 kombu_append(qos, message, delivery_tag)
                 return
-            # kombu's append (kombu/transport/redis.py, QoS.append), and the claim
-            delivery = message.delivery_info
-            dumps: Any = json.dumps
-            raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
-            score = repr(time.time())  # as redis-py writes a float
-            replies = None
-            pool = channel.pool
-            if type(pool) is redis.ConnectionPool:
-                # on a connection kept for it, made from the channel's own pool (kombu's
-                # settings): a third of the CPU of kombu's pipeline, which builds a client
-                # per call (docs/benchmarks.md)
-                commands = [("ZADD", index_key, score, delivery_tag)]
-                commands.append(("HSET", unacked_key, delivery_tag, raw))
-                try:
-                    replies = caller.transaction(pool, commands, call)
-                except (redis.ConnectionError, redis.TimeoutError):
-                    # run or not: kombu's own transaction, with redis-py's retries (every
-                    # write in it may run twice: the claim's owner claims again)
-                    replies = None
-            if replies is None:
-                with qos.pipe_or_acquire() as pipe:
-                    pipe.zadd(index_key, {delivery_tag: float(score)})
-                    pipe.hset(unacked_key, delivery_tag, raw)
-                    pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-                    replies = pipe.execute(raise_on_error=False)
+            replies = _append_and_claim(qos, caller, message, delivery_tag, call)
             for reply in replies[:2]:
                 if isinstance(reply, Exception):
                     raise reply  # kombu's own write failed: as kombu's append would
@@ -314,3 +288,36 @@ class BrokerRide:
         """kombu's own ack of ``tag`` (removes its record, then forgets it)."""
         kombu_ack: Any = type(self.qos).ack
         kombu_ack(self.qos, tag)
+
+
+def _append_and_claim(
+    qos: Any, caller: ScriptCaller, message: Any, delivery_tag: Any, call: ScriptCall[Any]
+) -> list[Any]:
+    """kombu's append of ``message`` (``kombu/transport/redis.py``, ``QoS.append``: the
+    delivery into the unacked index and hash) and ``call``, in one transaction; their three
+    replies, each the error it ended with where one failed."""
+    delivery = message.delivery_info
+    dumps: Any = json.dumps
+    raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+    score = repr(time.time())  # as redis-py writes a float
+    index_key, unacked_key = qos.unacked_index_key, qos.unacked_key
+    pool = qos.channel.pool
+    if type(pool) is redis.ConnectionPool:
+        # on a connection kept for it, made from the channel's own pool (kombu's settings):
+        # a third of the CPU of kombu's pipeline, which builds a client per call
+        # (docs/benchmarks.md)
+        commands = [("ZADD", index_key, score, delivery_tag)]
+        commands.append(("HSET", unacked_key, delivery_tag, raw))
+        try:
+            replies: list[Any] = caller.transaction(pool, commands, call)
+            return replies
+        except (redis.ConnectionError, redis.TimeoutError):
+            # run or not: kombu's own transaction, with redis-py's retries (every write in
+            # it may run twice: the claim's owner claims again)
+            pass
+    with qos.pipe_or_acquire() as pipe:
+        pipe.zadd(index_key, {delivery_tag: float(score)})
+        pipe.hset(unacked_key, delivery_tag, raw)
+        pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        result: list[Any] = pipe.execute(raise_on_error=False)
+        return result

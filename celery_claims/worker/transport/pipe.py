@@ -353,7 +353,7 @@ class StorePipe:
             )
         failure = BackendUnavailable(f"claim store unavailable: {error}")
         for callback in callbacks + [callback for _, callback in deferred]:
-            self._deliver(callback, failure)
+            _deliver(callback, failure)
 
     # --- sending and reading ----------------------------------------------------------------
 
@@ -405,49 +405,23 @@ class StorePipe:
             call, callback = deferred[0]
             item = _Pending(call, callback, now, 0)
             return self._enqueue(item, load=call.script.sha not in self._loaded)
-        groups: dict[tuple[str, str], list[_Deferred]] = {}
-        for call, callback in deferred:
-            assert call.many is not None
-            groups.setdefault((call.many.script.sha, call.many.keys[0]), []).append(
-                (call, callback)
-            )
         commands: list[_Command] = []
-        for group in groups.values():
-            for start in range(0, len(group), MANY_MAX_CALLS):
-                part = group[start : start + MANY_MAX_CALLS]
-                if len(part) == 1:
-                    call, callback = part[0]  # alone: its own script, as submit sends it
-                else:
-                    call = many_call([call for call, _ in part])
-                    callback = functools.partial(self._dispatch, part)
-                item = _Pending(call, callback, now, 0, calls=len(part))
-                commands += self._enqueue(item, load=call.script.sha not in self._loaded)
+        for part in _many_parts(deferred):
+            if len(part) == 1:
+                call, callback = part[0]  # alone: its own script, as submit sends it
+            else:
+                call = many_call([call for call, _ in part])
+                callback = functools.partial(_dispatch_many, part)
+            item = _Pending(call, callback, now, 0, calls=len(part))
+            commands += self._enqueue(item, load=call.script.sha not in self._loaded)
         return commands
-
-    def _dispatch(self, parts: list[_Deferred], outcome: Outcome) -> None:
-        """Hand each call of a ``claim_many`` call its own reply (or the call's error)."""
-        if isinstance(outcome, list) and len(outcome) == len(parts):
-            for (call, callback), reply in zip(parts, outcome, strict=True):
-                self._deliver(callback, _decoded(call, reply))
-            return
-        if not isinstance(outcome, BaseException):
-            outcome = BackendError(f"claim store: claim_many answered {outcome!r:.200}")
-        for _, callback in parts:
-            self._deliver(callback, outcome)
 
     def _send(self, commands: list[_Command]) -> None:
         """Write ``commands`` in one write (packed by the package's packer, as a pool
         process's calls are)."""
         connection = self.connection
         try:
-            packed = b"".join(
-                [
-                    pack_commands([command], connection)[0]
-                    if isinstance(command, tuple)
-                    else pack_call(command, connection)
-                    for command in commands
-                ]
-            )
+            packed = _packed(commands, connection)
             # no health check here: a PING's reply would be read as a waiting call's
             connection.send_packed_command([packed], check_health=False)
         except (redis_errors.RedisError, OSError) as exc:
@@ -474,7 +448,9 @@ class StorePipe:
         probe = True
         while sock is not None and self._sock is sock:
             try:
-                ready = self._received(probe=probe)
+                ready = _reply_there(
+                    self.connection, sock, self._poll, probe=probe, waiting=bool(self._pending)
+                )
             except (redis_errors.RedisError, OSError) as exc:
                 self._broken(exc)  # closed by the store, or reset
                 return
@@ -485,29 +461,6 @@ class StorePipe:
                 return
             self._read_one()
             probe = each_time
-
-    def _received(self, *, probe: bool) -> bool:
-        """True if a reply (or the store's close) is there to read: in the socket, if
-        ``probe``, or held by redis-py's parser (or by TLS)."""
-        connection = self.connection
-        polled = probe and self._pending and self._poll is not None
-        if polled and self._poll.poll(0):
-            # one poll(2), where can_read sets the socket's timeout twice around a recv(2):
-            # read_response then reads what came (a store's close, too, ends it there)
-            return True
-        buffer = getattr(connection._parser, "_buffer", None)  # redis-py's Python parser
-        unread = getattr(buffer, "unread_bytes", None)
-        if unread is None:
-            # another parser (hiredis, which reads ahead): its can_read looks at what it
-            # holds first, then at the socket
-            return bool(connection.can_read(timeout=0))
-        sock = self._sock
-        if unread() or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
-            return True
-        if polled or not probe:
-            return False
-        # nothing asked for (or no poll): can_read raises if the store closed the connection
-        return bool(connection.can_read(timeout=0))
 
     def _wait_until(self, done: Callable[[], bool]) -> None:
         while not done() and self._pending and self._sock is not None:
@@ -551,7 +504,7 @@ class StorePipe:
             outcome = BackendUnavailable(f"claim store unavailable: slot moving ({reply})")
         else:
             outcome = _reply_error(reply)
-        self._deliver(item.callback, outcome)
+        _deliver(item.callback, outcome)
 
     def _resend(self, item: _Pending) -> None:
         """``NOSCRIPT`` (the store's script cache was flushed, or the store restarted): send
@@ -586,12 +539,6 @@ class StorePipe:
         except Exception as exc:
             logger.exception("Claim store pipe: checking for overdue replies failed")
             self._broken(exc)
-
-    def _deliver(self, callback: Callable[[Outcome], None], outcome: Outcome) -> None:
-        try:
-            callback(outcome)
-        except Exception:
-            logger.exception("Claim store pipe: a reply callback failed")
 
 
 class ClusterPipe:
@@ -707,3 +654,77 @@ def consumer_pipe(manager: RedisClaimManager, hub: Any) -> Pipe | None:
     if isinstance(manager.client, redis.RedisCluster):
         return None if hub is None else ClusterPipe(manager.client, hub)
     return StorePipe.for_manager(manager, hub)
+
+
+def _packed(commands: list[_Command], connection: Any) -> bytes:
+    """``commands`` in RESP for ``connection``, in one buffer: a script call's ``EVALSHA``
+    by :func:`~celery_claims.worker.transport.sender.pack_call`, other commands' words by
+    the package's packer."""
+    return b"".join(
+        [
+            pack_commands([command], connection)[0]
+            if isinstance(command, tuple)
+            else pack_call(command, connection)
+            for command in commands
+        ]
+    )
+
+
+def _many_parts(deferred: list[_Deferred]) -> list[list[_Deferred]]:
+    """``deferred`` by ``claim_many`` script and queue, in parts of at most
+    :data:`MANY_MAX_CALLS` (each part one call, or a call alone)."""
+    groups: dict[tuple[str, str], list[_Deferred]] = {}
+    for call, callback in deferred:
+        assert call.many is not None
+        groups.setdefault((call.many.script.sha, call.many.keys[0]), []).append((call, callback))
+    return [
+        group[start : start + MANY_MAX_CALLS]
+        for group in groups.values()
+        for start in range(0, len(group), MANY_MAX_CALLS)
+    ]
+
+
+def _dispatch_many(parts: list[_Deferred], outcome: Outcome) -> None:
+    """Hand each call of a ``claim_many`` call its own reply (or the call's error)."""
+    if isinstance(outcome, list) and len(outcome) == len(parts):
+        for (call, callback), reply in zip(parts, outcome, strict=True):
+            _deliver(callback, _decoded(call, reply))
+        return
+    if not isinstance(outcome, BaseException):
+        outcome = BackendError(f"claim store: claim_many answered {outcome!r:.200}")
+    for _, callback in parts:
+        _deliver(callback, outcome)
+
+
+def _deliver(callback: Callable[[Outcome], None], outcome: Outcome) -> None:
+    """Run a call's callback with its outcome; a callback that raises is logged (the
+    consumer's event loop must not stop)."""
+    try:
+        callback(outcome)
+    except Exception:
+        logger.exception("Claim store pipe: a reply callback failed")
+
+
+def _reply_there(
+    connection: Any, sock: socket.socket, poll: Any, *, probe: bool, waiting: bool
+) -> bool:
+    """True if a reply (or the store's close) is there to read on ``connection`` (its socket
+    ``sock``, registered in ``poll``, or None): in the socket, if ``probe``, or held by
+    redis-py's parser (or by TLS). ``waiting``: calls wait for replies."""
+    polled = probe and waiting and poll is not None
+    if polled and poll.poll(0):
+        # one poll(2), where can_read sets the socket's timeout twice around a recv(2):
+        # read_response then reads what came (a store's close, too, ends it there)
+        return True
+    buffer = getattr(connection._parser, "_buffer", None)  # redis-py's Python parser
+    unread = getattr(buffer, "unread_bytes", None)
+    if unread is None:
+        # another parser (hiredis, which reads ahead): its can_read looks at what it
+        # holds first, then at the socket
+        return bool(connection.can_read(timeout=0))
+    if unread() or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
+        return True
+    if polled or not probe:
+        return False
+    # nothing asked for (or no poll): can_read raises if the store closed the connection
+    return bool(connection.can_read(timeout=0))
