@@ -173,3 +173,28 @@ def test_a_chain_step_whose_claim_cannot_be_verified_as_its_body_ends_runs_again
         bodies = _bodies(fleet, url, queue)
         assert bodies == Counter({"canvas.slow_step": 2, "canvas.step": 1}), bodies
         assert "cannot be verified at unreported" in fleet.logs()
+
+
+def test_group_members_that_store_no_result_leave_no_delivery_behind(
+    fleet: Fleet, private_redis: RedisServer
+) -> None:
+    # Given a prefork worker with the claim store on its Redis broker, and a group of tasks
+    # that store no result (acks_late): canvas parts, recorded after Celery's trace, so no
+    # pool process settles their delivery itself
+    url, queue = private_redis.url, unique("q")
+    defects = "tests.worker.apps.defects_app"
+    fleet.worker(
+        "a", broker=url, backend=url, queue=queue, concurrency=2, app=defects
+    ).wait_ready()  # fmt: skip
+    client = fleet.client(url, url, queue)
+    quiet = client.signature("defects.quiet")
+    group(quiet.clone((i,)) for i in range(5)).apply_async()
+    store = fleet.claims(url)
+    wait_for(lambda: store.stats().acks == 5, timeout=TIMEOUT, what="the group's records")
+
+    # When the broker's visibility timeout (3 s) has passed
+    time.sleep(6.0)
+
+    # Then every delivery was removed with its ack: none came back to be claimed again
+    assert fleet.redis(url).hlen("unacked") == 0
+    assert store.stats().attempts == 5, store.stats()

@@ -242,6 +242,7 @@ class _Verifier:
                 callbacks=request.callbacks,
                 chain=request.chain,
                 chord=request.chord,
+                group=request.group,
                 ignore_result=getattr(request, "ignore_result", False),
             )
         )
@@ -382,18 +383,19 @@ def _surely_held(claim: TaskClaim) -> bool:
 
 
 def nothing_after_body(
-    task: Any, *, callbacks: Any, chain: Any, chord: Any, ignore_result: Any
+    task: Any, *, callbacks: Any, chain: Any, chord: Any, group: Any, ignore_result: Any
 ) -> bool:
     """True if nothing Celery does after this task's body returns can fail the attempt.
 
-    What can: storing the result (a result backend outage), sending callbacks, a chain's
-    next step or a chord's part, the task's own ``on_success``; and with early acks the
-    message is gone already.
+    What can: storing the result (a result backend outage), anything of a canvas part
+    (callbacks, a chain's next step, a chord's part, a group member's result: recorded after
+    the trace), the task's own ``on_success``; and with early acks the message is gone
+    already.
     The pool process (from its ``task.request``) and the worker (from the message's request
     dict, the same fields) answer alike: where this is True the pool process leaves the
     record to the worker, which writes it before the ack.
     """
-    if callbacks or chain or chord or not task.acks_late:
+    if _is_canvas_part(callbacks, chain, chord, group) or not task.acks_late:
         return False
     if type(task).on_success is not Task.on_success:
         return False
@@ -410,6 +412,7 @@ def records_left_to_worker(request: Any) -> bool:
         callbacks=fields.get("callbacks"),
         chain=fields.get("chain"),
         chord=fields.get("chord"),
+        group=fields.get("group"),
         ignore_result=fields.get("ignore_result", False),
     )
 
