@@ -129,7 +129,7 @@ def fenced_update(
     Raises:
         InvalidArgument: no key, a bad instance, or an unknown fence column.
     """
-    from sqlalchemy import and_, update
+    from sqlalchemy import and_, update  # the [sql] extra: imported on first use
 
     number, fence = _checked(table, key, instance, fence_column)
     where = and_(*(table.c[column] == value for column, value in key.items()), fence < number)
@@ -161,7 +161,7 @@ def fenced_upsert(
     """
     number, fence = _checked(table, key, instance, fence_column)
     dialect = conn.dialect.name
-    insert: Any
+    insert: Any  # the [sql] extra, imported on first use: each dialect has its own insert
     if dialect == "postgresql":
         from sqlalchemy.dialects.postgresql import insert
     elif dialect == "sqlite":
