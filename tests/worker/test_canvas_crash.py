@@ -1,12 +1,14 @@
 """A worker killed after a canvas part's body returned, before Celery reported the part.
 
-Celery's trace does three things after a body returns that other tasks wait on: it sends a
-chain's next step and a task's callbacks, stores the result, and reports a chord's part (the
-chord's body is sent by the last part reported). A completion record written before those
-(when the body returns) turned the redelivered copy away as done: a chord waited forever for
-its part, a chain stopped at the step. Such a part is now recorded after Celery's trace, and
-the steps it sends after its body are of its own run, so a part run again after a crash sends
-copies that are turned away (docs/semantics.md, *Runs*).
+Celery's trace does three things after a body returns that a canvas waits on: it sends a
+chain's next step and a task's callbacks, stores the result (a group's), and reports a chord's
+part (the chord's body is sent by the last part reported). A completion record written before
+those (when the body returns) turned the redelivered copy away as done: a chord or a group
+waited forever for its part, a chain stopped at the step; so did a store unreachable as the
+body ended. Such a part is now recorded after Celery's trace (never settled by its pool
+process with its delivery), and the steps it sends after its body are of its own run, so a
+part run again after a crash sends copies that are turned away (docs/semantics.md, *Canvas
+parts are recorded after Celery's trace*).
 
 Real ``celery worker`` subprocesses (``apps/canvas_app.py``); worker A is SIGKILLed (its whole
 process group) at the point the test names, worker B is started after it and finishes the
