@@ -1,10 +1,10 @@
 """Canvas tasks for real ``celery worker`` subprocesses, and a crash at a chosen point of
 Celery's trace after a body returned (``tests/worker/test_canvas_crash.py``).
 
-Configured as ``apps/fleet.py`` (``CLAIMS_TEST_BROKER``, ``CLAIMS_TEST_BACKEND``,
-``CLAIMS_TEST_QUEUE``, ``CLAIMS_TEST_PLUGIN``). ``CLAIMS_TEST_CRASH`` names where the worker
-(main process and pool, one process group) is SIGKILLed, once per test (a marker key in the
-backend Redis):
+The fleet app (``apps/fleet.py``: its environment, settings and ``install(app)``) with these
+tasks, its results stored through :class:`CrashingBackend`. ``CLAIMS_TEST_CRASH`` names where
+the worker (main process and pool, one process group) is SIGKILLed, once per test (a marker
+key in the backend Redis):
 
 - ``publish:<task name>``: when a running task, its body returned, is about to publish a
   message of that task (a chain's next step, a callback), before it reaches the broker;
@@ -24,15 +24,14 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery, current_task
+from celery import current_task
 from celery.backends.redis import RedisBackend
 from celery.signals import before_task_publish, task_success
 
-from celery_claims.worker import install
+from tests.worker.apps.fleet import BACKEND, QUEUE, app, executions_key
 
-BROKER = os.environ["CLAIMS_TEST_BROKER"]
-BACKEND = os.environ["CLAIMS_TEST_BACKEND"]
-QUEUE = os.environ["CLAIMS_TEST_QUEUE"]
+__all__ = ["app"]
+
 CRASH = os.environ.get("CLAIMS_TEST_CRASH", "")
 
 
@@ -46,21 +45,8 @@ class CrashingBackend(RedisBackend):  # type: ignore[misc]  # celery is untyped
         return super().mark_as_done(task_id, result, request, *a, **kw)
 
 
-app = Celery("canvas", broker=BROKER, backend=f"{__name__}:CrashingBackend+{BACKEND}")
-app.conf.update(
-    broker_connection_retry_on_startup=True,
-    broker_transport_options={
-        "visibility_timeout": 3,
-        "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1,
-    },
-    task_default_queue=QUEUE,
-    task_acks_late=True,
-    worker_prefetch_multiplier=1,
-    result_expires=None,
-)
-if os.environ.get("CLAIMS_TEST_PLUGIN", "1") == "1":
-    install(app)
+# the fleet app (its settings, install(app)), its results through the crashing backend
+app.conf.result_backend = f"{__name__}:CrashingBackend+{BACKEND}"
 
 _log: redis.Redis | None = None
 
@@ -70,11 +56,6 @@ def _redis() -> redis.Redis:
     if _log is None:
         _log = redis.Redis.from_url(BACKEND)
     return _log
-
-
-def executions_key(queue: str) -> str:
-    """The Redis list each body's run is logged to (``tests.worker.processes.executions``)."""
-    return f"executions:{queue}"
 
 
 def _record(event: str, task: Any) -> None:
