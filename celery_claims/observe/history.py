@@ -226,9 +226,10 @@ class HistoryEvent:
             it waits for (``waiting`` in a keyed lane); empty if unknown.
         instance: the fencing number involved (0 if none).
         key: for a keyed task's copy (``claims_key``) held while another task holds its key,
-            or getting the key after it was held (``held``, ``acquired``, ``took_over``),
-            the key's field (``<task or namespace>[<key>]``); else empty. Such an event
-            also adds the task to the key's waiters index (``held``) or removes it.
+            getting the key after it was held (``held``, ``acquired``, ``took_over``), or
+            acked without running for its key (``skipped``), the key's field (``<task or
+            namespace>[<key>]``); else empty. Such an event also adds the task to the key's
+            waiters index (``held``) or removes it.
     """
 
     at_ms: int

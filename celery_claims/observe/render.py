@@ -126,8 +126,9 @@ def skipped_text(event: HistoryEvent) -> str:
             f"copy acked without running on {event.worker}: {event.reason or 'no reason'} "
             f"({event.other or '?'})"
         )
-    # a keyed claim is `<queue>/<key field>`: the key is what follows the queue
-    key = event.claim_id.partition("/")[2] or "?"
+    # the worker writes a keyed skip's key on the event; before it did, the key was read
+    # from the claim id, `<queue>/<key field>` (wrong where the queue's name holds a "/")
+    key = event.key or event.claim_id.partition("/")[2] or "?"
     return SKIP_WORDING[reason].format(
         worker=event.worker, other=event.other or "?", instance=event.instance, key=key
     )

@@ -85,6 +85,7 @@ def _on_skipped(
     record: Any = None,
     holder_task_id: str | None = None,
     error: Any = None,
+    key: str = "",
     **_: Any,
 ) -> None:
     # a completion record names its owner, a given-up record the last holder; a keyed
@@ -104,6 +105,8 @@ def _on_skipped(
             claim_id,
             other,
             int(getattr(record, "instance", 0) or 0),
+            # a keyed copy's key: skipped, it waits on that key no more (`claims key`)
+            key=key,
         ),
     )
 

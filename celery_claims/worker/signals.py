@@ -28,7 +28,8 @@ __all__ = [
 #: claim whose claim another copy's live lease holds, its publish journal entry in the store),
 #: ``claim_id`` (queue/task/attempt, or queue/key),
 #: ``record`` (the ``AlreadyDone`` or ``GivenUp`` record, the holder's ``AlreadyClaimed``, or
-#: None), ``holder_task_id`` (the task id that held or finished the key, else None) and, for
+#: None), ``holder_task_id`` (the task id that held or finished the key, else None), ``key``
+#: (a keyed task's key field, ``<task or namespace>[<key>]``, else ``""``) and, for
 #: ``"key_refused"``, ``error`` (the :class:`~celery_claims.errors.KeyRefused`).
 task_skipped = Signal(name="celery_claims.task_skipped")
 

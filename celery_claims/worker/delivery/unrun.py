@@ -73,6 +73,7 @@ class Unrun:
             reason,
             claim_id=copy.claim_id,
             record=record,
+            key=_key_field(copy),
             settled=None
             if reason == SkipReason.CLAIMED
             else (copy.queue_id, copy.task_key, reason in ("done", "given_up")),
@@ -177,7 +178,12 @@ class Unrun:
         )
         # the new message journals itself as it is published: the entry stays
         self._ack_unrun(
-            request, "key_rescheduled", claim_id=copy.claim_id, record=holder, settled=None
+            request,
+            "key_rescheduled",
+            claim_id=copy.claim_id,
+            record=holder,
+            key=_key_field(copy),
+            settled=None,
         )
 
     def refuse(self, request: Any, error: KeyRefused, queue_id: str, task_key: str) -> None:
@@ -215,6 +221,7 @@ class Unrun:
         *,
         claim_id: str,
         record: Any = None,
+        key: str = "",
         settled: tuple[str, str, bool] | None,
         error: BaseException | None = None,
     ) -> None:
@@ -223,7 +230,8 @@ class Unrun:
 
         ``settled``: the publish journal entry to clear (queue, task key, done), or None to
         keep it. It is cleared before the ack (see :meth:`_settle_before_gone`); Celery's
-        ``task_ready`` always runs; ``task_skipped`` says why.
+        ``task_ready`` always runs; ``task_skipped`` says why (``key``: a keyed copy's key
+        field, which its claim id cannot give back: a queue name may hold a ``/``).
         """
         if settled is not None:
             self.w.on_gone(*settled)
@@ -237,8 +245,15 @@ class Unrun:
             claim_id=claim_id,
             record=record,
             holder_task_id=None if record is None else _holder_task_id(record),
+            key=key,
             **extra,
         )
+
+
+def _key_field(copy: Any) -> str:
+    """A keyed copy's key field (``<task or namespace>[<key>]``), else ``""``."""
+    key = getattr(copy, "key", None)
+    return "" if key is None else str(key.field)
 
 
 def _skip_detail(record: Any) -> str:
