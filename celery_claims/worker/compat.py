@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import celery
 import kombu
 from celery import signals as celery_signals
-from celery.exceptions import TaskRevokedError
+from celery.exceptions import TaskRevokedError, TimeLimitExceeded
 from celery.utils.log import get_logger
 from celery.utils.saferepr import saferepr
 from celery.worker.state import task_ready
@@ -396,56 +396,104 @@ class RequestHooks(Protocol):
     def revoked(self) -> object:
         """It was revoked before it ran (Celery acks it without a callback)."""
 
+    def reported(self) -> object:
+        """The pool's last report on the request was routed: the hooks let go of what refers
+        back to the request (the copy), so that the request is freed by reference counting
+        rather than left to the cyclic garbage collector. Only a late ``accepted`` may come
+        after it (prefork may deliver a start after the result)."""
+
+
+#: The request's attribute that holds its hooks (in its ``__dict__``).
+_HOOKS = "_claims_hooks"
+
+#: The attribute of a request class that holds its hooked subclass (made once per class).
+_HOOKED = "_claims_hooked_class"
+
 
 def hook_request(request: Any, hooks: RequestHooks) -> None:
     """Route the pool's reports on ``request`` through ``hooks``.
 
-    Replaces ``on_accepted``, ``on_success``, ``on_failure``, ``on_timeout`` and
-    ``execute_using_pool`` on the request's instance: Celery's generated ``Request`` subclass
-    defines them on the class, and the pool call looks them up on the instance at call time.
-    A failed trace reaches ``on_success`` first and goes on to ``on_failure``. Read in Celery
-    5.3 to 5.7 (``celery/worker/request.py``).
+    Moves the request to a subclass of its class, made once per class, whose
+    ``on_accepted``, ``on_success``, ``on_failure``, ``on_timeout`` and
+    ``execute_using_pool`` call the hooks kept on the instance: Celery's generated
+    ``Request`` subclass defines them on the class, and the pool call looks them up on the
+    instance at call time. A failed trace reaches ``on_success`` first and goes on to
+    ``on_failure``. Nothing on the request refers back to it (no closure over its bound
+    methods), and after the pool's last report the hooks let go of the copy
+    (:meth:`RequestHooks.reported`): a request and its copy are freed by reference counting.
+    Read in Celery 5.3 to 5.7 (``celery/worker/request.py``).
     """
-    on_accepted = request.on_accepted
-    on_success = request.on_success
-    on_failure = request.on_failure
-    on_timeout = request.on_timeout
-    execute_using_pool = request.execute_using_pool
+    cls = type(request)
+    hooked = cls.__dict__.get(_HOOKED)  # a hooked class is its own
+    if hooked is None:
+        hooked = _hooked_class(cls)
+        setattr(cls, _HOOKED, hooked)
+    setattr(request, _HOOKS, hooks)
+    request.__class__ = hooked
 
-    def claims_on_accepted(*args: Any, **kwargs: Any) -> Any:
-        result = on_accepted(*args, **kwargs)
-        hooks.accepted()
-        return result
 
-    def claims_on_success(failed__retval__runtime: Any, **kwargs: Any) -> Any:
-        if failed__retval__runtime[0]:
-            # a failed trace goes on to request.on_failure, which is hooked too
-            return on_success(failed__retval__runtime, **kwargs)
-        hooks.succeeded(lambda: on_success(failed__retval__runtime, **kwargs))
-        return None
+def _last_failure(exc: BaseException | None) -> bool:
+    """False for prefork's hard time limit, which reports a failure, then ``on_timeout``."""
+    return not isinstance(exc, TimeLimitExceeded)
 
-    def claims_on_failure(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
-        exc = unwrap_exception(getattr(exc_info, "exception", None))
-        hooks.failed(exc, lambda: on_failure(exc_info, *args, **kwargs))
-        return None
 
-    def claims_on_timeout(soft: bool, timeout: Any) -> Any:
-        hooks.timed_out(soft, lambda: on_timeout(soft, timeout))
-        return None
+def _hooked_class(base: Any) -> Any:
+    """The subclass of Celery's request class ``base`` whose pool reports go to the hooks."""
 
-    def claims_execute_using_pool(pool: Any, **kwargs: Any) -> Any:
-        try:
-            return execute_using_pool(pool, **kwargs)
-        except TaskRevokedError:
-            # revoked before it ran: Celery acks it without calling any callback
-            hooks.revoked()
-            raise
+    # Celery's request classes are untyped (Any) to mypy
+    class Hooked(base):  # type: ignore[misc]
+        __slots__ = ()  # the same layout as ``base``, for ``__class__`` assignment
 
-    request.on_accepted = claims_on_accepted
-    request.on_success = claims_on_success
-    request.on_failure = claims_on_failure
-    request.on_timeout = claims_on_timeout
-    request.execute_using_pool = claims_execute_using_pool
+        def on_accepted(self, *args: Any, **kwargs: Any) -> Any:
+            result = base.on_accepted(self, *args, **kwargs)
+            getattr(self, _HOOKS).accepted()
+            return result
+
+        def on_success(self, failed__retval__runtime: Any, **kwargs: Any) -> Any:
+            if failed__retval__runtime[0]:
+                # a failed trace goes on to self.on_failure, hooked too
+                return base.on_success(self, failed__retval__runtime, **kwargs)
+            hooks = getattr(self, _HOOKS)
+            try:
+                hooks.succeeded(lambda: base.on_success(self, failed__retval__runtime, **kwargs))
+            finally:
+                hooks.reported()
+            return None
+
+        def on_failure(self, exc_info: Any, *args: Any, **kwargs: Any) -> Any:
+            exc = unwrap_exception(getattr(exc_info, "exception", None))
+            hooks = getattr(self, _HOOKS)
+            try:
+                hooks.failed(exc, lambda: base.on_failure(self, exc_info, *args, **kwargs))
+            finally:
+                if _last_failure(exc):
+                    hooks.reported()
+            return None
+
+        def on_timeout(self, soft: bool, timeout: Any) -> Any:
+            hooks = getattr(self, _HOOKS)
+            try:
+                hooks.timed_out(soft, lambda: base.on_timeout(self, soft, timeout))
+            finally:
+                if not soft:
+                    hooks.reported()
+            return None
+
+        def execute_using_pool(self, pool: Any, **kwargs: Any) -> Any:
+            try:
+                return base.execute_using_pool(self, pool, **kwargs)
+            except TaskRevokedError:
+                # revoked before it ran: Celery acks it without calling any callback
+                hooks = getattr(self, _HOOKS)
+                hooks.revoked()
+                hooks.reported()
+                raise
+
+    Hooked.__name__ = base.__name__
+    Hooked.__qualname__ = base.__qualname__
+    Hooked.__module__ = base.__module__
+    setattr(Hooked, _HOOKED, Hooked)
+    return Hooked
 
 
 def fleet_rate_limits(consumer: Any, fleetwide: Callable[[Any, str], bool]) -> None:

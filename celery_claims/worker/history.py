@@ -155,13 +155,12 @@ def _on_acquired(
     token: Any = None,
     took_over: bool = False,
     previous_owner: str | None = None,
+    claim_id: str = "",
+    waited_key: str = "",
     **_: Any,
 ) -> None:
-    claim = getattr(request, "claim", None)
     # a keyed copy that was held gets its key: it waits on it no more (`claims key`)
-    keyed = getattr(claim, "key", None)
-    waited = keyed is not None and bool(getattr(claim, "hold_reason", ""))
-    if not took_over and not waited and not _options.record_acquired:
+    if not took_over and not waited_key and not _options.record_acquired:
         return
     _post(
         request,
@@ -170,10 +169,10 @@ def _on_acquired(
             "took_over" if took_over else "acquired",
             "",
             _hostname(request),
-            str(getattr(claim, "claim_id", "") or ""),
+            claim_id,
             previous_owner or "",
             int(getattr(token, "instance", 0) or 0),
-            key=str(getattr(keyed, "field", "")) if waited else "",
+            key=waited_key,
         ),
     )
 

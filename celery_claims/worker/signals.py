@@ -59,7 +59,9 @@ lane_slot = Signal(name="celery_claims.lane_slot")
 claim_released = Signal(name="celery_claims.claim_released")
 
 #: A copy's claim was acquired and it goes to the pool. Arguments: ``request``, ``token``,
-#: ``took_over`` (``True`` when another owner's expired lease was taken over).
+#: ``took_over`` (``True`` when another owner's expired lease was taken over),
+#: ``previous_owner`` (that owner, else ``None``), ``claim_id``, ``waited_key`` (the key of a
+#: keyed copy that was held until its key came free, else ``""``).
 claim_acquired = Signal(name="celery_claims.claim_acquired")
 
 #: A running task's lease was lost (the keeper's renewal was refused): the request is fenced,

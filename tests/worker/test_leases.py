@@ -98,15 +98,20 @@ def test_remaining_lease_never_drops_below_lease_minus_two_renew_intervals(
 def test_lost_lease_fences_the_request_so_neither_its_success_nor_its_result_is_recorded(
     app: Celery, queue: str, claims: RedisClaimManager
 ) -> None:
-    # Given a task running under a claim, and a receiver of lease_lost
+    # Given a task running under a claim, and a receiver of lease_lost that notes whether
+    # the worker's copy of the signalled request is fenced as it is signalled
     lost: list[dict[str, Any]] = []
+    workers: list[Any] = []
 
     def on_lost(sender: Any = None, **kwargs: Any) -> None:
+        copies = workers[0].claims.life.reg.copies()
+        kwargs["fenced"] = [c.fenced for c in copies if c.request is kwargs["request"]]
         lost.append(kwargs)
 
     signals.lease_lost.connect(on_lost, weak=False)
     try:
         with in_process_worker(app) as worker:
+            workers.append(worker)
             result = app.tasks["t.sleep"].apply_async((3,), task_id="fenced-1")
             mine: ClaimToken = wait_for(
                 lambda: next(iter(claims.list_claims(queue)), None), timeout=10, what="the claim"
@@ -120,7 +125,7 @@ def test_lost_lease_fences_the_request_so_neither_its_success_nor_its_result_is_
             # Then the keeper notices, fences the request and signals it
             wait_for(lambda: lost, timeout=5, what="the lease_lost signal")
             assert lost[0]["token"].instance == mine.instance
-            assert lost[0]["request"].claim.fenced
+            assert lost[0]["fenced"] == [True]
             wait_for(
                 lambda: worker.claims.counters.get("fenced_success"),
                 timeout=10,

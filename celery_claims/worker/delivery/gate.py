@@ -35,7 +35,7 @@ from celery.utils.log import get_logger
 from celery_claims.claims.calls import RatedClaim, ScriptCall
 from celery_claims.errors import BackendUnavailable, ClaimError, InvalidArgument, KeyRefused
 from celery_claims.fencing import TaskClaim
-from celery_claims.model import AlreadyClaimed, AlreadyDone, GivenUp, Success, TookOver
+from celery_claims.model import AlreadyClaimed, AlreadyDone, ClaimToken, GivenUp, Success, TookOver
 from celery_claims.rates import Limit
 from celery_claims.runs import with_run
 from celery_claims.worker.compat import (
@@ -489,30 +489,64 @@ class ClaimGate:
 
 
 class _Hooks:
-    """The pool's reports on one copy, to the lifecycle (:class:`RequestHooks`)."""
+    """The pool's reports on one copy, to the lifecycle (:class:`RequestHooks`).
 
-    __slots__ = ("copy", "life")
+    The request keeps its hooks, and the copy its request: the hooks let go of the copy once
+    the pool reported its last (:meth:`reported`), so that no cycle is left for the garbage
+    collector. A report after that finds no copy: a late start is still marked (:meth:`accepted`);
+    any other, which no pool sends, only logs.
+    """
+
+    __slots__ = ("copy", "late_start", "life")
 
     def __init__(self, copy: Copy, life: Lifecycle) -> None:
-        self.copy = copy
+        self.copy: Copy | None = copy
         self.life = life
+        self.late_start: ClaimToken | None = None
 
     def accepted(self) -> None:
-        self.life.started(self.copy)
+        if self.copy is not None:
+            self.life.started(self.copy)
+        elif self.late_start is not None:
+            self.life.mark_started(self.late_start)
 
     def succeeded(self, handler: Callable[[], object]) -> None:
-        _report(self.copy, self.life.done.succeeded, handler)
+        if self.copy is not None:
+            _report(self.copy, self.life.done.succeeded, handler)
+        else:
+            _reported_late("a success")
 
     def failed(self, exc: BaseException | None, handler: Callable[[], object]) -> None:
         life = self.life
-        _report(self.copy, lambda c, h: life.failed(c, exc, h), handler)
+        if self.copy is not None:
+            _report(self.copy, lambda c, h: life.failed(c, exc, h), handler)
+        else:
+            _reported_late(f"a failure ({type(exc).__name__})")
 
     def timed_out(self, soft: bool, handler: Callable[[], object]) -> None:
         life = self.life
-        _report(self.copy, lambda c, h: life.timed_out(c, soft, h), handler)
+        if self.copy is not None:
+            _report(self.copy, lambda c, h: life.timed_out(c, soft, h), handler)
+        elif soft:
+            handler()  # Celery's soft time limit handler only logs
+        else:
+            _reported_late("a hard time limit")
 
     def revoked(self) -> None:
-        self.life.revoked(self.copy)
+        if self.copy is not None:
+            self.life.revoked(self.copy)
+
+    def reported(self) -> None:
+        copy, self.copy = self.copy, None
+        if copy is not None and copy.mark_start and not copy.guarded:
+            # prefork may deliver the start after the result: it is marked all the same
+            self.late_start = copy.token
+
+
+def _reported_late(what: str) -> None:
+    """A report after the pool's last on a request: Celery's handler ran, or was kept from
+    running, at the last one; it is not run a second time."""
+    logger.warning("Claim gate: %s reported after the pool's last report; ignored", what)
 
 
 def _report(

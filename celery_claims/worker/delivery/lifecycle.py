@@ -258,7 +258,6 @@ class Lifecycle:
             self._short_leases[copy.lease_ms] = short
         if short:
             self.w.wake_keeper()
-        copy.request.claim = copy
         self.holds.cancel_timer(copy)
         self.w.slots.take_back(copy)
         self.w.counters.incr("took_over" if took_over else "acquired")
@@ -306,9 +305,9 @@ class Lifecycle:
         if self.reg.move(copy, State.RUNNING, only_from=_QUEUED):
             self.acks.take(copy)
         if copy.mark_start and not copy.guarded and copy.token is not None:
-            self._mark_started(copy.token)
+            self.mark_started(copy.token)
 
-    def _mark_started(self, token: ClaimToken) -> None:
+    def mark_started(self, token: ClaimToken) -> None:
         """Mark an unguarded copy's start (its pool process cannot): best effort, as in
         ``guard.py``, on the consumer's pipe where it can go there."""
         try:
@@ -485,10 +484,14 @@ def _announce_claim(copy: Copy, result: Success | TookOver) -> None:
         logger.info(
             "Claim %s: took over from %s (instance %d)", copy.claim_id, previous, copy.instance
         )
+    key = copy.key
     signals.claim_acquired.send(
         sender=copy.request.task,
         request=copy.request,
         token=copy.token,
         took_over=isinstance(result, TookOver),
         previous_owner=previous,
+        claim_id=copy.claim_id,
+        # a keyed copy that was held until now gets its key (`claims key`)
+        waited_key=key.field if key is not None and copy.hold_reason else "",
     )
