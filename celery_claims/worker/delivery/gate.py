@@ -494,15 +494,17 @@ class _Hooks:
     The request keeps its hooks, and the copy its request: the hooks let go of the copy once
     the pool reported its last (:meth:`reported`), so that no cycle is left for the garbage
     collector. A report after that finds no copy: a late start is still marked (:meth:`accepted`);
-    any other, which no pool sends, only logs.
+    any other, which no pool sends, runs Celery's handler as the ended copy's lifecycle did,
+    unless the copy was fenced (its ack could delete the live owner's message).
     """
 
-    __slots__ = ("copy", "late_start", "life")
+    __slots__ = ("copy", "late_handler", "late_start", "life")
 
     def __init__(self, copy: Copy, life: Lifecycle) -> None:
         self.copy: Copy | None = copy
         self.life = life
         self.late_start: ClaimToken | None = None
+        self.late_handler = False
 
     def accepted(self) -> None:
         if self.copy is not None:
@@ -514,14 +516,14 @@ class _Hooks:
         if self.copy is not None:
             _report(self.copy, self.life.done.succeeded, handler)
         else:
-            _reported_late("a success")
+            self._late("a success", handler)
 
     def failed(self, exc: BaseException | None, handler: Callable[[], object]) -> None:
         life = self.life
         if self.copy is not None:
             _report(self.copy, lambda c, h: life.failed(c, exc, h), handler)
         else:
-            _reported_late(f"a failure ({type(exc).__name__})")
+            self._late(f"a failure ({type(exc).__name__})", handler)
 
     def timed_out(self, soft: bool, handler: Callable[[], object]) -> None:
         life = self.life
@@ -530,7 +532,7 @@ class _Hooks:
         elif soft:
             handler()  # Celery's soft time limit handler only logs
         else:
-            _reported_late("a hard time limit")
+            self._late("a hard time limit", handler)
 
     def revoked(self) -> None:
         if self.copy is not None:
@@ -538,15 +540,20 @@ class _Hooks:
 
     def reported(self) -> None:
         copy, self.copy = self.copy, None
-        if copy is not None and copy.mark_start and not copy.guarded:
+        if copy is None:
+            return
+        self.late_handler = not copy.fenced
+        if copy.mark_start and not copy.guarded:
             # prefork may deliver the start after the result: it is marked all the same
             self.late_start = copy.token
 
-
-def _reported_late(what: str) -> None:
-    """A report after the pool's last on a request: Celery's handler ran, or was kept from
-    running, at the last one; it is not run a second time."""
-    logger.warning("Claim gate: %s reported after the pool's last report; ignored", what)
+    def _late(self, what: str, handler: Callable[[], object]) -> None:
+        """A report after the pool's last on a request (no pool sends one): Celery's
+        handler runs, as it did for an ended copy, whatever the claim store would say;
+        never for a fenced copy, whose ack could delete the live owner's message."""
+        logger.warning("Claim gate: %s reported after the pool's last report", what)
+        if self.late_handler:
+            handler()
 
 
 def _report(
