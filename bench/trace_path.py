@@ -7,8 +7,10 @@ the pool's hand-off, the blocking round trips of ``rt1``/``rt2-sep``) and, in wh
 process runs the body, the body's start and end (``task_prerun``/``task_postrun``). Each
 event is a line ``<monotonic ns> <pid> <event> <detail>``, written to
 ``DIR/<variant>-<pid>.trace`` (the clock is the system's monotonic one: comparable across
-processes). ``bench/trace_report.py`` turns the files into the time spent between events.
-Only for measuring: it costs each event a few microseconds.
+processes; with ``BENCH_TRACE_PROFILE=1`` the main process is also profiled, cProfile, from
+its first delivery on, to ``DIR/<variant>-<pid>.prof``). ``bench/trace_report.py`` turns the
+files into the time spent between events. Only for measuring: it costs each event a few
+microseconds.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def wrap(
     name: str,
     before: str,
     after: str = "",
-    detail: Callable[..., object] = lambda *args: "",
+    detail: Callable[..., object] = lambda *args, **kwargs: "",
 ) -> None:
     """Record ``before`` when ``owner.name`` is called and ``after`` when it returns, each
     with ``detail(*args)``."""
@@ -118,8 +120,23 @@ def install() -> None:
         wrap(pipe.StorePipe, "defer", "defer")
         wrap(pipe.StorePipe, "_on_tick", "tick")
 
+    profiler: Any = None
+    if os.environ.get("BENCH_TRACE_PROFILE"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+
     def received(request: Any = None, **_: Any) -> None:
         event("received", getattr(request, "id", ""))
+        if profiler is not None and not getattr(profiler, "started", False):
+            profiler.started = True
+            profiler.enable()  # the consumer's loop, from the first delivery on
+
+    def stop_profile(**_: Any) -> None:
+        flush()
+        if profiler is not None and getattr(profiler, "started", False):
+            profiler.disable()
+            profiler.dump_stats(os.path.join(_DIR, f"{_VARIANT}-{os.getpid()}.prof"))
 
     def prerun(task_id: str = "", **_: Any) -> None:
         event("body>", task_id)
@@ -132,7 +149,7 @@ def install() -> None:
     signals.task_postrun.connect(postrun, weak=False)
     signals.worker_process_init.connect(lambda **_: _EVENTS.clear(), weak=False)
     signals.worker_process_shutdown.connect(lambda **_: flush(), weak=False)
-    signals.worker_shutdown.connect(lambda **_: flush(), weak=False)
+    signals.worker_shutdown.connect(stop_profile, weak=False)
     atexit.register(flush)
 
 
