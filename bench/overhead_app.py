@@ -271,6 +271,8 @@ def profile_pool_processes(path: str) -> None:
 
 
 if "BENCH_URL" in os.environ and "BENCH_VARIANT" in os.environ:
+    if os.environ.get("BENCH_TRACE"):
+        import bench.trace_path  # noqa: F401  # a message's path as timestamps
     if os.environ.get("BENCH_PROFILE"):
         profile_main_process(os.environ["BENCH_PROFILE"])
         profile_pool_processes(os.environ["BENCH_PROFILE"])

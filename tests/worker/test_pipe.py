@@ -328,15 +328,16 @@ def test_deferred_calls_of_a_queue_go_in_one_script_call_each_with_its_own_reply
     observer = redis_server.client()
     alone = [manager.execute(call) for call in given_a_queue(manager, "r")]
     calls = given_a_queue(manager, "q")
-    # When the calls are deferred in one pass of the event loop
+    # When the calls are deferred in one pass of the event loop, while a reply is awaited
     outcomes: dict[int, Any] = {}
     before = script_calls(observer)
+    pipe.defer(manager.claim_call("busy", "t0", OWNER, LEASE_MS), lambda outcome: None)
     for i, call in enumerate(calls):
         pipe.defer(call, lambda outcome, i=i: outcomes.__setitem__(i, outcome))
-    assert pipe.waiting == 6
+    assert pipe.waiting == 7
     run_loop(hub, lambda: len(outcomes) == 6, "six replies")
-    # Then they went in one script call, and each got the reply it gets alone
-    assert script_calls(observer) - before == 1
+    # Then they went in one script call (after the one on its way), each with its own reply
+    assert script_calls(observer) - before == 2
     got = [outcomes[i] for i in range(6)]
     assert [type(result) for result in got] == [type(result) for result in alone]
     assert [AlreadyClaimed, AlreadyClaimed, bool, bool, AlreadyDone] == [
@@ -345,7 +346,8 @@ def test_deferred_calls_of_a_queue_go_in_one_script_call_each_with_its_own_reply
     assert (got[1].owner, got[2].owner) == (OWNER, "worker-2/1/x")
     assert (got[3], got[4]) == (True, False) == (alone[3], alone[4])
     assert manager.get_token("q", "t1", OWNER) == got[0].token
-    assert manager.stats().attempts == 2 * 3 + 2 * 4  # setup claims, then four claims each
+    # setup claims, then four claims each, and the claim on its way
+    assert manager.stats().attempts == 2 * 3 + 2 * 4 + 1
     assert pipe.waiting == 0
 
 
@@ -365,7 +367,7 @@ def test_deferred_calls_wait_for_the_replies_awaited_and_then_go_together(
         os.kill(private_redis.proc.pid, signal.SIGSTOP)
         try:
             pipe.defer(manager.claim_call("q", "t1", OWNER, LEASE_MS), outcomes.append)
-            hub.run_once()  # sent: nothing else awaited a reply
+            assert pipe.waiting == 1  # sent at once: nothing else awaited a reply
             # When two more are deferred, in two passes of the event loop
             pipe.defer(manager.claim_call("q", "t2", OWNER, LEASE_MS), outcomes.append)
             hub.run_once()
@@ -380,6 +382,21 @@ def test_deferred_calls_wait_for_the_replies_awaited_and_then_go_together(
         assert [o.token.task_id for o in outcomes] == ["t1", "t2", "t3"]
 
 
+def test_a_call_deferred_on_an_idle_connection_is_sent_at_once(
+    pipe: StorePipe, manager: RedisClaimManager, hub: Hub
+) -> None:
+    # Given a pipe whose connection awaits no reply
+    assert isinstance(pipe.call(manager.claim_call("q", "t0", OWNER, LEASE_MS)), Success)
+    outcomes: list[Any] = []
+    # When a claim is deferred (the gate's claim of a delivery) and the loop has not run yet
+    pipe.defer(manager.claim_call("q", "t1", OWNER, LEASE_MS), outcomes.append)
+    # Then the store has it already: it is answered while the loop finishes its pass
+    wait_for(lambda: manager.is_claimed("q", "t1") is not None, timeout=5, what="the claim")
+    assert outcomes == []  # the reply is read by the loop
+    run_loop(hub, lambda: bool(outcomes), "the reply")
+    assert isinstance(outcomes[0], Success)
+
+
 def test_deferred_calls_of_other_queues_and_other_scripts_keep_their_order(
     pipe: StorePipe, manager: RedisClaimManager, redis_server: RedisServer, hub: Hub
 ) -> None:
@@ -387,16 +404,17 @@ def test_deferred_calls_of_other_queues_and_other_scripts_keep_their_order(
     token = manager.claim("a", "t1", OWNER, LEASE_MS).token
     order: list[str] = []
     before = script_calls(observer)
-    # Given deferred calls of two queues
+    # Given deferred calls of two queues, while a reply is awaited
+    pipe.defer(manager.claim_call("c", "t0", OWNER, LEASE_MS), lambda o: order.append("c:t0"))
     pipe.defer(manager.claim_call("a", "t2", OWNER, LEASE_MS), lambda o: order.append("a:t2"))
     pipe.defer(manager.claim_call("b", "t1", OWNER, LEASE_MS), lambda o: order.append("b:t1"))
     pipe.defer(manager.claim_call("a", "t3", OWNER, LEASE_MS), lambda o: order.append("a:t3"))
     # When a call that cannot go in a claim_many call (a completion) is submitted meanwhile
     pipe.submit(manager.complete_call(token, DONE_TTL_MS), lambda o: order.append("complete"))
-    run_loop(hub, lambda: len(order) == 4, "four replies")
+    run_loop(hub, lambda: len(order) == 5, "five replies")
     # Then the deferred ones went first (a claim_many call per queue), then the completion
-    assert script_calls(observer) - before == 3
-    assert order == ["a:t2", "a:t3", "b:t1", "complete"]
+    assert script_calls(observer) - before == 4
+    assert order == ["c:t0", "a:t2", "a:t3", "b:t1", "complete"]
     assert manager.done_record("a", "t1") is not None
 
 
@@ -422,12 +440,13 @@ def test_deferred_calls_fail_when_the_connection_is_dropped(
 ) -> None:
     outcomes: list[Any] = []
     pipe.call(manager.claim_call("q", "t0", OWNER, LEASE_MS))
+    # (t1 goes at once: the connection is idle; t2 waits for its reply)
     for task in ("t1", "t2"):
         pipe.defer(manager.claim_call("q", task, OWNER, LEASE_MS), outcomes.append)
     pipe.close()
     assert [type(o) for o in outcomes] == [BackendUnavailable, BackendUnavailable]
     assert pipe.waiting == 0
-    assert manager.is_claimed("q", "t1") is None  # never sent
+    assert manager.is_claimed("q", "t2") is None  # never sent
 
 
 def test_decoded_responses_clients_are_served_too(
@@ -764,10 +783,13 @@ def test_deferred_cluster_claims_go_in_one_script_call_per_queue_to_its_slot_own
             for queue in queues:
                 pipe.defer(manager.claim_call(queue, task, OWNER, LEASE_MS), outcomes.append)
         run_loop(hub, lambda: len(outcomes) == 18, "eighteen replies")
-        # Then every claim got its own, and each queue's went in one call to its slot owner
+        # Then every claim got its own, and each queue's went in one call to its slot owner,
+        # but for the first call to each node, which found its connection idle: it went at
+        # once, alone
         assert all(isinstance(o, Success) for o in outcomes)
         after = [script_calls(server.client()) for server in redis_cluster.servers]
-        assert sum(after) - sum(before) == len(queues)
+        nodes = sum(1 for b, a in zip(before, after, strict=True) if a > b)
+        assert sum(after) - sum(before) == len(queues) + nodes
         pipe.close()
 
 

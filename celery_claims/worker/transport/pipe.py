@@ -6,11 +6,15 @@ broker, or a Redis broker with a store of its own) the gate claims each message 
 without blocking the consumer's event loop:
 
 - a claim (or the record before an ack) is deferred (:meth:`StorePipe.defer`) and the gate
-  goes on with other work: the next delivery, the pool's results, timers. When the event
-  loop is about to poll (the hub's ``on_tick``) the calls deferred meanwhile are written to
-  the socket in one write, those of one queue in one ``claim_many`` script call (each call
-  gets its own reply); while replies to calls sent earlier are awaited, deferred calls wait
-  for them, so under load the claims and records of several passes go together, and an idle
+  goes on with other work: the next delivery, the pool's results, timers. On an idle
+  connection (no reply awaited) the call is written at once, so the store answers while the
+  loop finishes its pass (kombu's blocking ack of another message, say) and the reply is
+  read at the loop's next poll, ahead of the replies to what the loop sent after it (the
+  next delivery's ``BRPOP``, whose handling blocks on kombu's append); while replies to
+  calls sent earlier are awaited, deferred calls wait for them, and when the event loop is
+  about to poll (the hub's ``on_tick``) with no reply awaited they are written in one
+  write, those of one queue in one ``claim_many`` script call (each call gets its own
+  reply): under load the claims and records of several passes go together, and an idle
   loop sends each at once. :meth:`StorePipe.submit` sends a call at once (one ``EVALSHA``);
 - the socket is registered on the consumer's event loop (``hub.add_reader``, as kombu's
   Redis transport registers its ``BRPOP`` socket), and when it is readable the replies that
@@ -238,20 +242,25 @@ class StorePipe:
         self._arm()
 
     def defer(self, call: ScriptCall[Any], callback: Callable[[Outcome], None]) -> None:
-        """Send ``call`` once the event loop is about to poll, with the other calls deferred
-        until then; ``callback`` gets its outcome as with :meth:`submit`.
+        """Send ``call`` now if the connection is idle, else with the calls that wait as it
+        does; ``callback`` gets its outcome as with :meth:`submit`.
 
-        The calls deferred during a pass of the loop go in one write, and those of one queue
+        On an idle connection (no reply awaited, nothing waiting) the call goes at once, as
+        :meth:`submit` sends it: the store answers while the event loop finishes its pass
+        (kombu's blocking ack or delivery of other messages, the loop's own turn), and its
+        reply is there to read at the next poll, ahead of replies to what the loop sends
+        after it. While replies to calls sent earlier are awaited, calls wait for them (up
+        to :data:`MANY_MAX_CALLS`), and when the event loop is about to poll (the hub's
+        ``on_tick``) with no reply awaited any more they go in one write, those of one queue
         that can (claims and records: ``call.many``) in one ``claim_many`` script call, each
-        reply handed to its own call's callback. While replies to calls sent earlier are
-        awaited, deferred calls wait for them (up to :data:`MANY_MAX_CALLS`): under load
-        the calls of several passes go together, an idle loop sends each call at once.
+        reply handed to its own call's callback: under load the calls of several passes go
+        together, an idle loop sends each call at once.
 
         Raises:
             BackendUnavailable: see :meth:`submit` (nothing was deferred).
             StoreUnusable: see :meth:`submit`.
         """
-        if call.many is None:
+        if call.many is None or not (self._pending or self._deferred):
             self.submit(call, callback)
             return
         self._connect()
