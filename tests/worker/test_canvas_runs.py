@@ -89,10 +89,16 @@ def test_a_reapplied_frozen_chord_runs_its_header_and_body_again(app: Celery, ru
     with in_process_worker(app):
         assert canvas.apply_async().get(timeout=TIMEOUT) == 10
 
-        # When it is applied again (Celery: "each apply is a new run")
-        second = canvas.apply_async()
+    # When it is applied again (Celery: "each apply is a new run"), with no worker running
+    # while it is sent: Celery 5.7 publishes the first header part before it resets the
+    # chord's state (`set_chord_size` deletes the `.c` "done" marker the first run left), so
+    # a worker fast enough to report that part in between has its report dropped as a late
+    # duplicate and the chord never completes, with or without claims (seen in 3 of 15 runs
+    # on a loaded machine, plain Celery's race, not this package's)
+    second = canvas.apply_async()
 
-        # Then its header parts and its body run again, and the caller gets the new result
+    # Then its header parts and its body run again, and the caller gets the new result
+    with in_process_worker(app):
         wait_for(lambda: len(runs.of("total")) == 2, timeout=TIMEOUT, what="the body again")
         assert second.get(timeout=TIMEOUT) == 10
     assert sorted(runs.of("add")) == [(1, 2), (1, 2), (3, 4), (3, 4)]
