@@ -211,6 +211,8 @@ class ClaimGate:
             return None
         if self._pipe is None and not self._pipe_checked:
             self._pipe_checked = True
+            if self.runtime.pool_name == "solo":
+                return None
             # the pipe's socket is watched by the consumer's event loop; without one (gevent,
             # eventlet, a transport without async support: no hub) the blocking client is used
             self._pipe = consumer_pipe(self.runtime.manager, getattr(self.consumer, "hub", None))
