@@ -54,7 +54,7 @@ from celery_claims.worker.policy import is_exempt, time_limit_of
 from celery_claims.worker.publish.runs import run_of
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.transport.broker import BrokerRide
-from celery_claims.worker.transport.pipe import Pipe, consumer_pipe
+from celery_claims.worker.transport.pipe import INLINE_WAIT_S, Pipe, consumer_pipe
 
 __all__ = ["ClaimGate"]
 
@@ -211,11 +211,13 @@ class ClaimGate:
             return None
         if self._pipe is None and not self._pipe_checked:
             self._pipe_checked = True
-            if self.runtime.pool_name == "solo":
-                return None
             # the pipe's socket is watched by the consumer's event loop; without one (gevent,
-            # eventlet, a transport without async support: no hub) the blocking client is used
-            self._pipe = consumer_pipe(self.runtime.manager, getattr(self.consumer, "hub", None))
+            # eventlet, a transport without async support: no hub) the blocking client is used.
+            # On the solo pool nothing on the loop can overlap a store round trip (the body
+            # runs there too): a reply is read at once, without another pass of the loop
+            inline = INLINE_WAIT_S if self.runtime.pool_name == "solo" else 0.0
+            hub = getattr(self.consumer, "hub", None)
+            self._pipe = consumer_pipe(self.runtime.manager, hub, inline_s=inline)
         return self._pipe
 
     def _lease_ms(self, name: str, task: Any) -> int:

@@ -70,9 +70,15 @@ from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable, socket_of
 from celery_claims.errors import BackendError, BackendUnavailable, ClaimError
 from celery_claims.worker.transport.sender import pack_call, pack_commands
 
-__all__ = ["ClusterPipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
+__all__ = ["INLINE_WAIT_S", "ClusterPipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
 
 logger = get_logger("celery_claims.worker")
+
+#: How long a solo pool's consumer waits, right after a call is sent, for its reply (s): a
+#: store round trip on a LAN with room to spare. A reply that comes later is read by the event
+#: loop, as on the other pools; an unreachable store costs the loop this much per call, not
+#: the read timeout a blocking client would wait.
+INLINE_WAIT_S = 0.005
 
 #: A call's result, or the error it ended with (never raised into the event loop).
 Outcome = Any
@@ -161,6 +167,10 @@ class StorePipe:
             read timeout (the package's one timeout policy).
         redirect: takes over a call answered ``MOVED`` (a Cluster node's pipe): called with
             the error, the call and its callback.
+        inline_s: after a call is sent, wait up to this long for the replies awaited and
+            deliver those that come at once (0: never, the event loop reads them): for the solo
+            pool, whose loop has nothing to do meanwhile, where a reply read by the loop costs
+            it more passes (:data:`INLINE_WAIT_S`).
     """
 
     def __init__(
@@ -170,10 +180,12 @@ class StorePipe:
         *,
         timeout_s: float | None = None,
         redirect: Redirect | None = None,
+        inline_s: float = 0.0,
     ) -> None:
         self.connection = connection
         self.hub = hub
         self.redirect = redirect
+        self.inline_s = inline_s
         self.timeout_s = float(
             timeout_s or getattr(connection, "socket_timeout", None) or DEFAULT_TIMEOUT_S
         )
@@ -188,7 +200,9 @@ class StorePipe:
         self._tick = self._on_tick  # one bound method: the hub's on_tick is a set
 
     @classmethod
-    def for_manager(cls, manager: RedisClaimManager, hub: Any) -> StorePipe | None:
+    def for_manager(
+        cls, manager: RedisClaimManager, hub: Any, *, inline_s: float = 0.0
+    ) -> StorePipe | None:
         """A pipe to ``manager``'s standalone or Sentinel-managed store on ``hub``, or None
         (no hub, writes that wait for replicas, a Cluster: see :func:`consumer_pipe`)."""
         client = manager.client
@@ -196,7 +210,7 @@ class StorePipe:
             return None
         # the pool's own factory method: the client's connection class and arguments (TLS,
         # Unix socket, Sentinel-managed master, credentials, database, timeouts)
-        return cls(client.connection_pool.make_connection(), hub)
+        return cls(client.connection_pool.make_connection(), hub, inline_s=inline_s)
 
     # --- calls ------------------------------------------------------------------------------
 
@@ -239,6 +253,8 @@ class StorePipe:
         commands = self._take_deferred()  # sent first: the store runs calls in the order given
         item = _Pending(call, callback, time.monotonic(), 0, resent=redirected)
         self._send(commands + self._enqueue(item, load=call.script.sha not in self._loaded))
+        if self.inline_s:
+            self._read_inline()
         self._arm()
 
     def defer(self, call: ScriptCall[Any], callback: Callable[[Outcome], None]) -> None:
@@ -471,6 +487,30 @@ class StorePipe:
             self._read_one()
             probe = each_time
 
+    def _read_inline(self) -> None:
+        """Wait up to :attr:`inline_s` for the replies awaited and deliver those that come
+        (their callbacks may send and read more calls: each is popped before it is handed
+        on). What has not come by then is left to the event loop and the overdue timer."""
+        sock = self._sock
+        deadline = time.monotonic() + self.inline_s
+        while self._pending and sock is not None and self._sock is sock:
+            try:
+                ready = _reply_there(self.connection, sock, None, probe=False, waiting=True)
+                if not ready:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return
+                    if self._poll is not None:
+                        ready = bool(self._poll.poll(remaining * 1000.0))
+                    else:
+                        ready = bool(self.connection.can_read(timeout=remaining))
+            except (redis_errors.RedisError, OSError) as exc:
+                self._broken(exc)
+                return
+            if not ready:
+                return
+            self._read_one()
+
     def _wait_until(self, done: Callable[[], bool]) -> None:
         while not done() and self._pending and self._sock is not None:
             remaining = self._pending[0].sent_at + self.timeout_s - time.monotonic()
@@ -657,12 +697,14 @@ class ClusterPipe:
 Pipe = StorePipe | ClusterPipe
 
 
-def consumer_pipe(manager: RedisClaimManager, hub: Any) -> Pipe | None:
+def consumer_pipe(manager: RedisClaimManager, hub: Any, *, inline_s: float = 0.0) -> Pipe | None:
     """The consumer's pipe to ``manager``'s store on ``hub``, or None where only the blocking
-    client can go (no hub, writes that wait for replicas)."""
+    client can go (no hub, writes that wait for replicas). ``inline_s``: see
+    :class:`StorePipe` (a standalone or Sentinel-managed store's; a Cluster's pipes leave
+    every reply to the event loop)."""
     if isinstance(manager.client, redis.RedisCluster):
         return None if hub is None else ClusterPipe(manager.client, hub)
-    return StorePipe.for_manager(manager, hub)
+    return StorePipe.for_manager(manager, hub, inline_s=inline_s)
 
 
 def _packed(commands: list[_Command], connection: Any) -> bytes:
