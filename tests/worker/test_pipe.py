@@ -34,8 +34,12 @@ from celery_claims import (
     Success,
 )
 from celery_claims.connection import StoreUnusable, close, connect
-from celery_claims.worker.delivery import gate as gate_module
-from celery_claims.worker.transport.pipe import ClusterPipe, StorePipe, consumer_pipe
+from celery_claims.worker.transport.pipe import (
+    ClusterPipe,
+    InlineStorePipe,
+    StorePipe,
+    consumer_pipe,
+)
 from tests.servers import (
     RedisServer,
     TlsRedisServer,
@@ -933,7 +937,7 @@ def test_the_messages_of_a_burst_share_script_calls_to_the_store(
     # and a task without a result (its record goes on the consumer's pipe, before the ack),
     # whose consumer reads the store's replies from its event loop, as on every pool but solo
     # (a solo consumer reads each at once, one call each: test_solo_store_path.py)
-    monkeypatch.setattr(gate_module, "INLINE_WAIT_S", 0.0)
+    monkeypatch.setattr(InlineStorePipe, "wait_s", 0.0)
     app = separate_store_app(
         broker, redis_server, private_redis, queue, key_prefix, worker_prefetch_multiplier=PREFETCH
     )

@@ -2,7 +2,7 @@
 
 On the solo pool the body runs on the consumer's own loop, so nothing overlaps a store round
 trip: the consumer's pipe waits a moment for the reply of each claim and record it sends
-(``INLINE_WAIT_S``) instead of leaving it to another pass of the loop. A reply that does not
+(``InlineStorePipe``) instead of leaving it to another pass of the loop. A reply that does not
 come by then is the event loop's, as on the other pools: a paused store holds the claimed copy
 (never run unverified) and the loop goes on.
 """
@@ -21,7 +21,7 @@ from kombu.asynchronous import Hub
 
 from celery_claims import BackendUnavailable, RedisClaimManager, Success
 from celery_claims.connection import close, connect
-from celery_claims.worker.transport.pipe import INLINE_WAIT_S, StorePipe
+from celery_claims.worker.transport.pipe import InlineStorePipe, StorePipe
 from tests.servers import RedisServer, command_calls
 from tests.worker.helpers import close_app, in_process_worker, make_app, unique, wait_for
 
@@ -73,7 +73,7 @@ def test_an_inline_pipe_hands_over_the_reply_before_the_call_returns(
     manager: RedisClaimManager, hub: Hub
 ) -> None:
     # Given a pipe that reads replies inline (the solo pool's) and one that does not
-    inline = StorePipe.for_manager(manager, hub, inline_s=INLINE_WAIT_S)
+    inline = InlineStorePipe.for_manager(manager, hub)
     looped = StorePipe.for_manager(manager, hub)
     assert inline is not None
     assert looped is not None
@@ -102,7 +102,7 @@ def test_an_inline_pipe_leaves_a_late_reply_to_the_loop_and_fails_closed(
     manager: RedisClaimManager, hub: Hub, private_redis: RedisServer
 ) -> None:
     # Given an inline pipe whose store stops answering (paused, as a partition looks)
-    pipe = StorePipe.for_manager(manager, hub, inline_s=INLINE_WAIT_S)
+    pipe = InlineStorePipe.for_manager(manager, hub)
     assert pipe is not None
     assert private_redis.proc is not None
     got: list[object] = []
@@ -160,7 +160,7 @@ def test_a_solo_worker_runs_a_claimed_body_from_the_claims_own_call_on_its_pipe(
     # Then each body ran inside the gate's claim call, its reply read right after the send
     # on the consumer's pipe, not from a later pass of the event loop
     for calls in seen[1:]:
-        assert {"gate.py:_claim", "pipe.py:_read_inline"} <= calls
+        assert {"gate.py:_claim", "pipe.py:_read_one"} <= calls
         assert "pipe.py:_on_readable" not in calls
     # and each message cost the store its claim and its record (and the producer's publish
     # journal write), as before

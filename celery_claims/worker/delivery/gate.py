@@ -14,7 +14,9 @@ was sent already, in the transaction in which kombu recorded the delivery
 queues the claim on the consumer's own connection (:mod:`celery_claims.worker.transport.pipe`: sent
 when the event loop is about to poll, in one script call with the other claims and records
 of its queue queued meanwhile) and goes on; the copy is decided when the event loop reads the
-reply (without an event loop, the manager's blocking client makes the round trip). For a
+reply (on the solo pool the pipe reads it at once, if it comes within a few ms: see
+:class:`~celery_claims.worker.transport.pipe.InlineStorePipe`; without an event loop, the
+manager's blocking client makes the round trip). For a
 copy that goes to the pool it sets per-request wrappers of
 ``on_accepted``, ``on_success``, ``on_failure``, ``on_timeout`` and ``execute_using_pool``
 that report to the lifecycle, which runs Celery's own handler (or, for a stale copy, lets
@@ -54,7 +56,7 @@ from celery_claims.worker.policy import is_exempt, time_limit_of
 from celery_claims.worker.publish.runs import run_of
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.transport.broker import BrokerRide
-from celery_claims.worker.transport.pipe import INLINE_WAIT_S, Pipe, consumer_pipe
+from celery_claims.worker.transport.pipe import Pipe, consumer_pipe
 
 __all__ = ["ClaimGate"]
 
@@ -215,9 +217,9 @@ class ClaimGate:
             # eventlet, a transport without async support: no hub) the blocking client is used.
             # On the solo pool nothing on the loop can overlap a store round trip (the body
             # runs there too): a reply is read at once, without another pass of the loop
-            inline = INLINE_WAIT_S if self.runtime.pool_name == "solo" else 0.0
             hub = getattr(self.consumer, "hub", None)
-            self._pipe = consumer_pipe(self.runtime.manager, hub, inline_s=inline)
+            solo = self.runtime.pool_name == "solo"
+            self._pipe = consumer_pipe(self.runtime.manager, hub, inline=solo)
         return self._pipe
 
     def _lease_ms(self, name: str, task: Any) -> int:

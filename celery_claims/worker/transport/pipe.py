@@ -23,6 +23,9 @@ without blocking the consumer's event loop:
   already holds (replies still in the socket make it readable again: the hub polls
   level-triggered); a reply nobody asked for drops the connection. Calls are packed by the
   package's packer (:func:`~celery_claims.worker.transport.sender.pack_call`);
+- on the solo pool (:class:`InlineStorePipe`) the body runs on the loop, so nothing overlaps
+  a round trip: right after a call is sent the pipe waits a moment for its reply and hands it
+  over at once, without more passes of the loop; a later reply is the loop's;
 - one entry on the hub's timer, due when the oldest call's reply is overdue, fails every
   waiting call with :class:`~celery_claims.errors.BackendUnavailable` and drops the
   connection; the gate holds such copies (fails closed) and claims them again later.
@@ -70,15 +73,9 @@ from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable, socket_of
 from celery_claims.errors import BackendError, BackendUnavailable, ClaimError
 from celery_claims.worker.transport.sender import pack_call, pack_commands
 
-__all__ = ["INLINE_WAIT_S", "ClusterPipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
+__all__ = ["ClusterPipe", "InlineStorePipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
 
 logger = get_logger("celery_claims.worker")
-
-#: How long a solo pool's consumer waits, right after a call is sent, for its reply (s): a
-#: store round trip on a LAN with room to spare. A reply that comes later is read by the event
-#: loop, as on the other pools; an unreachable store costs the loop this much per call, not
-#: the read timeout a blocking client would wait.
-INLINE_WAIT_S = 0.005
 
 #: A call's result, or the error it ended with (never raised into the event loop).
 Outcome = Any
@@ -167,10 +164,6 @@ class StorePipe:
             read timeout (the package's one timeout policy).
         redirect: takes over a call answered ``MOVED`` (a Cluster node's pipe): called with
             the error, the call and its callback.
-        inline_s: after a call is sent, wait up to this long for the replies awaited and
-            deliver those that come at once (0: never, the event loop reads them): for the solo
-            pool, whose loop has nothing to do meanwhile, where a reply read by the loop costs
-            it more passes (:data:`INLINE_WAIT_S`).
     """
 
     def __init__(
@@ -180,12 +173,10 @@ class StorePipe:
         *,
         timeout_s: float | None = None,
         redirect: Redirect | None = None,
-        inline_s: float = 0.0,
     ) -> None:
         self.connection = connection
         self.hub = hub
         self.redirect = redirect
-        self.inline_s = inline_s
         self.timeout_s = float(
             timeout_s or getattr(connection, "socket_timeout", None) or DEFAULT_TIMEOUT_S
         )
@@ -200,9 +191,7 @@ class StorePipe:
         self._tick = self._on_tick  # one bound method: the hub's on_tick is a set
 
     @classmethod
-    def for_manager(
-        cls, manager: RedisClaimManager, hub: Any, *, inline_s: float = 0.0
-    ) -> StorePipe | None:
+    def for_manager(cls, manager: RedisClaimManager, hub: Any) -> StorePipe | None:
         """A pipe to ``manager``'s standalone or Sentinel-managed store on ``hub``, or None
         (no hub, writes that wait for replicas, a Cluster: see :func:`consumer_pipe`)."""
         client = manager.client
@@ -210,7 +199,7 @@ class StorePipe:
             return None
         # the pool's own factory method: the client's connection class and arguments (TLS,
         # Unix socket, Sentinel-managed master, credentials, database, timeouts)
-        return cls(client.connection_pool.make_connection(), hub, inline_s=inline_s)
+        return cls(client.connection_pool.make_connection(), hub)
 
     # --- calls ------------------------------------------------------------------------------
 
@@ -253,8 +242,6 @@ class StorePipe:
         commands = self._take_deferred()  # sent first: the store runs calls in the order given
         item = _Pending(call, callback, time.monotonic(), 0, resent=redirected)
         self._send(commands + self._enqueue(item, load=call.script.sha not in self._loaded))
-        if self.inline_s:
-            self._read_inline()
         self._arm()
 
     def defer(self, call: ScriptCall[Any], callback: Callable[[Outcome], None]) -> None:
@@ -487,30 +474,6 @@ class StorePipe:
             self._read_one()
             probe = each_time
 
-    def _read_inline(self) -> None:
-        """Wait up to :attr:`inline_s` for the replies awaited and deliver those that come
-        (their callbacks may send and read more calls: each is popped before it is handed
-        on). What has not come by then is left to the event loop and the overdue timer."""
-        sock = self._sock
-        deadline = time.monotonic() + self.inline_s
-        while self._pending and sock is not None and self._sock is sock:
-            try:
-                ready = _reply_there(self.connection, sock, None, probe=False, waiting=True)
-                if not ready:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return
-                    if self._poll is not None:
-                        ready = bool(self._poll.poll(remaining * 1000.0))
-                    else:
-                        ready = bool(self.connection.can_read(timeout=remaining))
-            except (redis_errors.RedisError, OSError) as exc:
-                self._broken(exc)
-                return
-            if not ready:
-                return
-            self._read_one()
-
     def _wait_until(self, done: Callable[[], bool]) -> None:
         while not done() and self._pending and self._sock is not None:
             remaining = self._pending[0].sent_at + self.timeout_s - time.monotonic()
@@ -588,6 +551,51 @@ class StorePipe:
         except Exception as exc:
             logger.exception("Claim store pipe: checking for overdue replies failed")
             self._broken(exc)
+
+
+class InlineStorePipe(StorePipe):
+    """The solo pool's pipe: after each call it sends, it waits up to :attr:`wait_s` for the
+    replies awaited and hands over those that come at once (their callbacks, which run the
+    body and send its record, may send and read more: each reply's call is popped first).
+
+    On the solo pool the body runs on the consumer's loop, so nothing overlaps a store round
+    trip, and a reply read by the loop costs it more passes (a poll and kombu's re-registering
+    of its sockets each). A reply that has not come within :attr:`wait_s` is the loop's, as
+    on the other pools: an unreachable store costs the loop that long per call, not the read
+    timeout a blocking client would wait, and the copy is held until its reply or the overdue
+    timer says unavailable.
+    """
+
+    #: How long to wait for a reply right after its call is sent, in s: a store round trip
+    #: on a LAN, with room to spare.
+    wait_s = 0.005
+
+    def submit(
+        self,
+        call: ScriptCall[Any],
+        callback: Callable[[Outcome], None],
+        *,
+        redirected: bool = False,
+    ) -> None:
+        """:meth:`StorePipe.submit`, then the replies that come within :attr:`wait_s`.
+
+        Raises:
+            BackendUnavailable: see :meth:`StorePipe.submit`.
+            StoreUnusable: see :meth:`StorePipe.submit`.
+        """
+        super().submit(call, callback, redirected=redirected)
+        sock, deadline = self._sock, time.monotonic() + self.wait_s
+        while self._pending and sock is not None and self._sock is sock:
+            try:
+                ready = _reply_within(
+                    self.connection, sock, self._poll, deadline - time.monotonic()
+                )
+            except (redis_errors.RedisError, OSError) as exc:
+                self._broken(exc)
+                return
+            if not ready:
+                return
+            self._read_one()
 
 
 class ClusterPipe:
@@ -697,14 +705,13 @@ class ClusterPipe:
 Pipe = StorePipe | ClusterPipe
 
 
-def consumer_pipe(manager: RedisClaimManager, hub: Any, *, inline_s: float = 0.0) -> Pipe | None:
+def consumer_pipe(manager: RedisClaimManager, hub: Any, *, inline: bool = False) -> Pipe | None:
     """The consumer's pipe to ``manager``'s store on ``hub``, or None where only the blocking
-    client can go (no hub, writes that wait for replicas). ``inline_s``: see
-    :class:`StorePipe` (a standalone or Sentinel-managed store's; a Cluster's pipes leave
-    every reply to the event loop)."""
+    client can go (no hub, writes that wait for replicas). ``inline``: the solo pool's
+    (:class:`InlineStorePipe`; a Cluster's pipes leave every reply to the event loop)."""
     if isinstance(manager.client, redis.RedisCluster):
         return None if hub is None else ClusterPipe(manager.client, hub)
-    return StorePipe.for_manager(manager, hub, inline_s=inline_s)
+    return (InlineStorePipe if inline else StorePipe).for_manager(manager, hub)
 
 
 def _packed(commands: list[_Command], connection: Any) -> bytes:
@@ -754,6 +761,18 @@ def _deliver(callback: Callable[[Outcome], None], outcome: Outcome) -> None:
         callback(outcome)
     except Exception:
         logger.exception("Claim store pipe: a reply callback failed")
+
+
+def _reply_within(connection: Any, sock: socket.socket, poll: Any, timeout_s: float) -> bool:
+    """True if a reply is there to read on ``connection`` (its socket ``sock``, registered in
+    ``poll``, or None) within ``timeout_s``: one redis-py's parser holds already, or one that
+    comes in the socket by then."""
+    if _reply_there(connection, sock, None, probe=False, waiting=True):
+        return True
+    timeout_s = max(timeout_s, 0.0)  # poll(2) with a negative timeout waits for ever
+    if poll is not None:
+        return bool(poll.poll(timeout_s * 1000.0))
+    return bool(connection.can_read(timeout=timeout_s))
 
 
 def _reply_there(
