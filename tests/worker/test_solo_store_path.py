@@ -217,3 +217,30 @@ def test_a_solo_worker_holds_a_claim_the_store_does_not_answer_and_serves_other_
             assert runs == ["claimed", "claimed"]
     finally:
         close_app(app)
+
+
+def test_an_inline_pipe_reads_inline_only_after_a_call_sent_on_an_idle_connection(
+    manager: RedisClaimManager, hub: Hub, private_redis: RedisServer
+) -> None:
+    # Given an inline pipe with a reply awaited (its store paused past the inline wait)
+    pipe = InlineStorePipe.for_manager(manager, hub)
+    assert pipe is not None
+    assert private_redis.proc is not None
+    order: list[str] = []
+    try:
+        pipe.call(manager.claim_call("q", "warm", OWNER, LEASE_MS))
+        os.kill(private_redis.proc.pid, signal.SIGSTOP)
+        try:
+            pipe.defer(manager.claim_call("q", "a", OWNER, LEASE_MS), lambda _: order.append("a"))
+        finally:
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
+        assert pipe.waiting == 1
+        # When another call is sent while that reply is awaited
+        pipe.submit(manager.claim_call("q", "b", OWNER, LEASE_MS), lambda _: order.append("b"))
+        # Then it leaves both replies to their reader (the loop), which hands them over in order
+        assert order == []
+        assert pipe.waiting == 2
+        pipe.drain()
+        assert order == ["a", "b"]
+    finally:
+        pipe.close()

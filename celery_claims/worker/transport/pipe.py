@@ -554,9 +554,10 @@ class StorePipe:
 
 
 class InlineStorePipe(StorePipe):
-    """The solo pool's pipe: after each call it sends, it waits up to :attr:`wait_s` for the
-    replies awaited and hands over those that come at once (their callbacks, which run the
-    body and send its record, may send and read more: each reply's call is popped first).
+    """The solo pool's pipe: after a call it sends on an idle connection (no reply awaited), it
+    waits up to :attr:`wait_s` for the replies and hands over those that come at once (their
+    callbacks, which run the body and send its record, may send and read more: each reply's
+    call is popped first; a call sent while replies are awaited leaves them to that reader).
 
     On the solo pool the body runs on the consumer's loop, so nothing overlaps a store round
     trip, and a reply read by the loop costs it more passes (a poll and kombu's re-registering
@@ -583,7 +584,10 @@ class InlineStorePipe(StorePipe):
             BackendUnavailable: see :meth:`StorePipe.submit`.
             StoreUnusable: see :meth:`StorePipe.submit`.
         """
+        idle = not self._pending
         super().submit(call, callback, redirected=redirected)
+        if not idle:
+            return  # read by the loop, or by the reader this call was sent from
         sock, deadline = self._sock, time.monotonic() + self.wait_s
         while self._pending and sock is not None and self._sock is sock:
             try:
