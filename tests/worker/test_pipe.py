@@ -34,7 +34,12 @@ from celery_claims import (
     Success,
 )
 from celery_claims.connection import StoreUnusable, close, connect
-from celery_claims.worker.transport.pipe import ClusterPipe, StorePipe, consumer_pipe
+from celery_claims.worker.transport.pipe import (
+    ClusterPipe,
+    InlineStorePipe,
+    StorePipe,
+    consumer_pipe,
+)
 from tests.servers import (
     RedisServer,
     TlsRedisServer,
@@ -921,10 +926,18 @@ PREFETCH = 8
 
 
 def test_the_messages_of_a_burst_share_script_calls_to_the_store(
-    broker: str, redis_server: RedisServer, private_redis: RedisServer, queue: str, key_prefix: str
+    broker: str,
+    redis_server: RedisServer,
+    private_redis: RedisServer,
+    queue: str,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Given a worker whose claim store is a server of its own, with a prefetch window of 8,
-    # and a task without a result (its record goes on the consumer's pipe, before the ack)
+    # and a task without a result (its record goes on the consumer's pipe, before the ack),
+    # whose consumer reads the store's replies from its event loop, as on every pool but solo
+    # (a solo consumer reads each at once, one call each: test_solo_store_path.py)
+    monkeypatch.setattr(InlineStorePipe, "wait_s", 0.0)
     app = separate_store_app(
         broker, redis_server, private_redis, queue, key_prefix, worker_prefetch_multiplier=PREFETCH
     )

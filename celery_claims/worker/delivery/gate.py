@@ -14,7 +14,9 @@ was sent already, in the transaction in which kombu recorded the delivery
 queues the claim on the consumer's own connection (:mod:`celery_claims.worker.transport.pipe`: sent
 when the event loop is about to poll, in one script call with the other claims and records
 of its queue queued meanwhile) and goes on; the copy is decided when the event loop reads the
-reply (without an event loop, the manager's blocking client makes the round trip). For a
+reply (on the solo pool the pipe reads it at once, if it comes within a few ms: see
+:class:`~celery_claims.worker.transport.pipe.InlineStorePipe`; without an event loop, the
+manager's blocking client makes the round trip). For a
 copy that goes to the pool it sets per-request wrappers of
 ``on_accepted``, ``on_success``, ``on_failure``, ``on_timeout`` and ``execute_using_pool``
 that report to the lifecycle, which runs Celery's own handler (or, for a stale copy, lets
@@ -212,8 +214,12 @@ class ClaimGate:
         if self._pipe is None and not self._pipe_checked:
             self._pipe_checked = True
             # the pipe's socket is watched by the consumer's event loop; without one (gevent,
-            # eventlet, a transport without async support: no hub) the blocking client is used
-            self._pipe = consumer_pipe(self.runtime.manager, getattr(self.consumer, "hub", None))
+            # eventlet, a transport without async support: no hub) the blocking client is used.
+            # On the solo pool nothing on the loop can overlap a store round trip (the body
+            # runs there too): a reply is read at once, without another pass of the loop
+            hub = getattr(self.consumer, "hub", None)
+            solo = self.runtime.pool_name == "solo"
+            self._pipe = consumer_pipe(self.runtime.manager, hub, inline=solo)
         return self._pipe
 
     def _lease_ms(self, name: str, task: Any) -> int:

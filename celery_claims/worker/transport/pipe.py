@@ -23,6 +23,9 @@ without blocking the consumer's event loop:
   already holds (replies still in the socket make it readable again: the hub polls
   level-triggered); a reply nobody asked for drops the connection. Calls are packed by the
   package's packer (:func:`~celery_claims.worker.transport.sender.pack_call`);
+- on the solo pool (:class:`InlineStorePipe`) the body runs on the loop, so nothing overlaps
+  a round trip: right after a call is sent the pipe waits a moment for its reply and hands it
+  over at once, without more passes of the loop; a later reply is the loop's;
 - one entry on the hub's timer, due when the oldest call's reply is overdue, fails every
   waiting call with :class:`~celery_claims.errors.BackendUnavailable` and drops the
   connection; the gate holds such copies (fails closed) and claims them again later.
@@ -70,7 +73,7 @@ from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable, socket_of
 from celery_claims.errors import BackendError, BackendUnavailable, ClaimError
 from celery_claims.worker.transport.sender import pack_call, pack_commands
 
-__all__ = ["ClusterPipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
+__all__ = ["ClusterPipe", "InlineStorePipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
 
 logger = get_logger("celery_claims.worker")
 
@@ -550,6 +553,55 @@ class StorePipe:
             self._broken(exc)
 
 
+class InlineStorePipe(StorePipe):
+    """The solo pool's pipe: after a call it sends on an idle connection (no reply awaited), it
+    waits up to :attr:`wait_s` for the replies and hands over those that come at once (their
+    callbacks, which run the body and send its record, may send and read more: each reply's
+    call is popped first; a call sent while replies are awaited leaves them to that reader).
+
+    On the solo pool the body runs on the consumer's loop, so nothing overlaps a store round
+    trip, and a reply read by the loop costs it more passes (a poll and kombu's re-registering
+    of its sockets each). A reply that has not come within :attr:`wait_s` is the loop's, as
+    on the other pools: an unreachable store costs the loop that long per call, not the read
+    timeout a blocking client would wait, and the copy is held until its reply or the overdue
+    timer says unavailable.
+    """
+
+    #: How long to wait for a reply right after its call is sent, in s: a store round trip
+    #: on a LAN, with room to spare.
+    wait_s = 0.005
+
+    def submit(
+        self,
+        call: ScriptCall[Any],
+        callback: Callable[[Outcome], None],
+        *,
+        redirected: bool = False,
+    ) -> None:
+        """:meth:`StorePipe.submit`, then the replies that come within :attr:`wait_s`.
+
+        Raises:
+            BackendUnavailable: see :meth:`StorePipe.submit`.
+            StoreUnusable: see :meth:`StorePipe.submit`.
+        """
+        idle = not self._pending
+        super().submit(call, callback, redirected=redirected)
+        if not idle:
+            return  # read by the loop, or by the reader this call was sent from
+        sock, deadline = self._sock, time.monotonic() + self.wait_s
+        while self._pending and sock is not None and self._sock is sock:
+            try:
+                ready = _reply_within(
+                    self.connection, sock, self._poll, deadline - time.monotonic()
+                )
+            except (redis_errors.RedisError, OSError) as exc:
+                self._broken(exc)
+                return
+            if not ready:
+                return
+            self._read_one()
+
+
 class ClusterPipe:
     """The consumer's pipes to a Redis Cluster: one :class:`StorePipe` per node, each call on
     the pipe of its queue's slot owner (see the module docstring).
@@ -657,12 +709,13 @@ class ClusterPipe:
 Pipe = StorePipe | ClusterPipe
 
 
-def consumer_pipe(manager: RedisClaimManager, hub: Any) -> Pipe | None:
+def consumer_pipe(manager: RedisClaimManager, hub: Any, *, inline: bool = False) -> Pipe | None:
     """The consumer's pipe to ``manager``'s store on ``hub``, or None where only the blocking
-    client can go (no hub, writes that wait for replicas)."""
+    client can go (no hub, writes that wait for replicas). ``inline``: the solo pool's
+    (:class:`InlineStorePipe`; a Cluster's pipes leave every reply to the event loop)."""
     if isinstance(manager.client, redis.RedisCluster):
         return None if hub is None else ClusterPipe(manager.client, hub)
-    return StorePipe.for_manager(manager, hub)
+    return (InlineStorePipe if inline else StorePipe).for_manager(manager, hub)
 
 
 def _packed(commands: list[_Command], connection: Any) -> bytes:
@@ -712,6 +765,18 @@ def _deliver(callback: Callable[[Outcome], None], outcome: Outcome) -> None:
         callback(outcome)
     except Exception:
         logger.exception("Claim store pipe: a reply callback failed")
+
+
+def _reply_within(connection: Any, sock: socket.socket, poll: Any, timeout_s: float) -> bool:
+    """True if a reply is there to read on ``connection`` (its socket ``sock``, registered in
+    ``poll``, or None) within ``timeout_s``: one redis-py's parser holds already, or one that
+    comes in the socket by then."""
+    if _reply_there(connection, sock, None, probe=False, waiting=True):
+        return True
+    timeout_s = max(timeout_s, 0.0)  # poll(2) with a negative timeout waits for ever
+    if poll is not None:
+        return bool(poll.poll(timeout_s * 1000.0))
+    return bool(connection.can_read(timeout=timeout_s))
 
 
 def _reply_there(
