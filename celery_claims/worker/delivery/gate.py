@@ -213,12 +213,9 @@ class ClaimGate:
             return None
         if self._pipe is None and not self._pipe_checked:
             self._pipe_checked = True
-            # the pipe's socket is watched by the consumer's event loop; without one (gevent,
-            # eventlet, a transport without async support: no hub) the blocking client is used.
-            # On the solo pool nothing on the loop can overlap a store round trip (the body
-            # runs there too): a reply is read at once, without another pass of the loop
-            hub = getattr(self.consumer, "hub", None)
-            solo = self.runtime.pool_name == "solo"
+            # watched by the consumer's event loop; without one (gevent, eventlet: no hub) the
+            # blocking client is used; on solo, where the body runs on the loop, replies inline
+            hub, solo = getattr(self.consumer, "hub", None), self.runtime.pool_name == "solo"
             self._pipe = consumer_pipe(self.runtime.manager, hub, inline=solo)
         return self._pipe
 
