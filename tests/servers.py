@@ -131,6 +131,17 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The server stopped for the block (``SIGSTOP``: its connections stay open and nothing
+        is answered, as a partition looks), then let go on (``SIGCONT``)."""
+        assert self.proc is not None, "the server is not running"
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def client(self, **kwargs: object) -> redis.Redis:
         client = redis.Redis(host="127.0.0.1", port=self.port, **kwargs)  # type: ignore[arg-type]
         self._clients.append(client)

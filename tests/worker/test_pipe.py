@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import signal
 import socket
 import threading
@@ -369,8 +368,7 @@ def test_deferred_calls_wait_for_the_replies_awaited_and_then_go_together(
         before = script_calls(observer)
         outcomes: list[Any] = []
         # Given a claim on its way to a store that does not answer yet
-        os.kill(private_redis.proc.pid, signal.SIGSTOP)
-        try:
+        with private_redis.paused():
             pipe.defer(manager.claim_call("q", "t1", OWNER, LEASE_MS), outcomes.append)
             assert pipe.waiting == 1  # sent at once: nothing else awaited a reply
             # When two more are deferred, in two passes of the event loop
@@ -379,8 +377,6 @@ def test_deferred_calls_wait_for_the_replies_awaited_and_then_go_together(
             pipe.defer(manager.claim_call("q", "t3", OWNER, LEASE_MS), outcomes.append)
             hub.run_once()
             assert pipe.waiting == 3
-        finally:
-            os.kill(private_redis.proc.pid, signal.SIGCONT)
         run_loop(hub, lambda: len(outcomes) == 3, "three replies")
         # Then the two waited for the first's reply and went in one script call
         assert script_calls(observer) - before == 2
@@ -518,13 +514,10 @@ def test_paused_store_times_out_every_waiting_call(
         token = pipe.call(manager.claim_call("q", "t1", OWNER, LEASE_MS)).token
         claim_call = manager.claim_call("q", "t2", OWNER, LEASE_MS)  # registers the queue now
         assert private_redis.proc is not None
-        os.kill(private_redis.proc.pid, signal.SIGSTOP)
-        try:
+        with private_redis.paused():
             outcomes: list[Any] = []
             pipe.submit(manager.complete_call(token, DONE_TTL_MS), outcomes.append)
             result = pipe.call(claim_call)
-        finally:
-            os.kill(private_redis.proc.pid, signal.SIGCONT)
         assert isinstance(result, BackendUnavailable)
         assert "no reply in 0.5 s" in str(result)
         assert [type(o) for o in outcomes] == [BackendUnavailable]
@@ -542,16 +535,13 @@ def test_the_event_loops_timer_fails_every_call_whose_reply_is_overdue(
         token = pipe.call(manager.claim_call("q", "t1", OWNER, LEASE_MS)).token
         claim_call = manager.claim_call("q", "t2", OWNER, LEASE_MS)
         assert private_redis.proc is not None
-        os.kill(private_redis.proc.pid, signal.SIGSTOP)
-        try:
+        with private_redis.paused():
             # Given two calls sent to a store that stopped answering
             outcomes: list[Any] = []
             pipe.submit(manager.complete_call(token, DONE_TTL_MS), outcomes.append)
             pipe.submit(claim_call, outcomes.append)
             # When the event loop runs on
             run_loop(hub, lambda: len(outcomes) == 2, "both calls to fail")
-        finally:
-            os.kill(private_redis.proc.pid, signal.SIGCONT)
         # Then both ended as "unavailable" and the connection left the loop
         assert [type(o) for o in outcomes] == [BackendUnavailable, BackendUnavailable]
         assert "no reply in 0.3 s" in str(outcomes[0])
@@ -1011,8 +1001,7 @@ def test_the_consumer_goes_on_with_other_messages_while_a_claim_is_on_its_way(
             assert claimed.delay().get(timeout=30) == "claimed"  # the pipe is connected
             assert private_redis.proc is not None
             # When the claim store stops answering, a claimed task is sent, then a free one
-            os.kill(private_redis.proc.pid, signal.SIGSTOP)
-            try:
+            with private_redis.paused():
                 pending = claimed.delay()
                 wait_for(
                     lambda: worker.consumer.claim_gate.store_pipe.waiting == 1,
@@ -1023,8 +1012,6 @@ def test_the_consumer_goes_on_with_other_messages_while_a_claim_is_on_its_way(
                 # did not wait for the store's reply
                 assert free.delay().get(timeout=10) == "free"
                 assert waiting_seen == [1]
-            finally:
-                os.kill(private_redis.proc.pid, signal.SIGCONT)
             # and the claimed task runs once the store answers
             assert pending.get(timeout=30) == "claimed"
             assert runs == ["claimed", "claimed"]

@@ -10,8 +10,6 @@ come by then is the event loop's, as on the other pools: a paused store holds th
 from __future__ import annotations
 
 import inspect
-import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -108,8 +106,7 @@ def test_an_inline_pipe_leaves_a_late_reply_to_the_loop_and_fails_closed(
     got: list[object] = []
     try:
         pipe.call(manager.claim_call("q", "warm", OWNER, LEASE_MS))  # connected, script loaded
-        os.kill(private_redis.proc.pid, signal.SIGSTOP)
-        try:
+        with private_redis.paused():
             # When a claim is sent
             pipe.defer(manager.claim_call("q", "t1", OWNER, LEASE_MS), got.append)
             # Then the call returns undecided, its reply left to the loop
@@ -117,8 +114,6 @@ def test_an_inline_pipe_leaves_a_late_reply_to_the_loop_and_fails_closed(
             assert pipe.waiting == 1
             # and a reply that never comes ends as "unavailable" (the copy is held, not run)
             pipe.drain()
-        finally:
-            os.kill(private_redis.proc.pid, signal.SIGCONT)
         assert len(got) == 1
         assert isinstance(got[0], BackendUnavailable)
     finally:
@@ -198,8 +193,7 @@ def test_a_solo_worker_holds_a_claim_the_store_does_not_answer_and_serves_other_
             assert claimed.delay().get(timeout=30) == "claimed"  # the pipe is connected
             assert private_redis.proc is not None
             # When the store stops answering and a claimed task is sent, then a free one
-            os.kill(private_redis.proc.pid, signal.SIGSTOP)
-            try:
+            with private_redis.paused():
                 pending = claimed.delay()
                 wait_for(
                     lambda: worker.consumer.claim_gate.store_pipe.waiting == 1,
@@ -210,8 +204,6 @@ def test_a_solo_worker_holds_a_claim_the_store_does_not_answer_and_serves_other_
                 assert free.delay().get(timeout=10) == "free"
                 # and the claimed one has not run unverified
                 assert runs == ["claimed"]
-            finally:
-                os.kill(private_redis.proc.pid, signal.SIGCONT)
             # and it runs once the store answers, once
             assert pending.get(timeout=30) == "claimed"
             assert runs == ["claimed", "claimed"]
@@ -229,11 +221,8 @@ def test_an_inline_pipe_reads_inline_only_after_a_call_sent_on_an_idle_connectio
     order: list[str] = []
     try:
         pipe.call(manager.claim_call("q", "warm", OWNER, LEASE_MS))
-        os.kill(private_redis.proc.pid, signal.SIGSTOP)
-        try:
+        with private_redis.paused():
             pipe.defer(manager.claim_call("q", "a", OWNER, LEASE_MS), lambda _: order.append("a"))
-        finally:
-            os.kill(private_redis.proc.pid, signal.SIGCONT)
         assert pipe.waiting == 1
         # When another call is sent while that reply is awaited
         pipe.submit(manager.claim_call("q", "b", OWNER, LEASE_MS), lambda _: order.append("b"))
