@@ -17,6 +17,7 @@ from typing import Any
 from celery.utils.log import get_logger
 
 from celery_claims.errors import BackendUnavailable, ClaimError, ClaimTokenError
+from celery_claims.worker.compat import task_ready
 from celery_claims.worker.delivery.copy import Copy
 from celery_claims.worker.delivery.endings import Endings
 from celery_claims.worker.delivery.guard import records_after_trace, records_left_to_worker
@@ -215,7 +216,8 @@ class Completion:
         *,
         unreachable: BackendUnavailable | None = None,
     ) -> None:
-        """Write the record of a ``COMPLETING`` copy (blocking), then run Celery's handler
+        """Write the record of a ``COMPLETING`` copy (blocking), then run Celery's handler;
+        a store that cannot take it leaves the handler to the record's retry (the keeper)
         (``unreachable``: the store was found unreachable just now, it is not asked again)."""
         try:
             if unreachable is not None:
@@ -223,10 +225,14 @@ class Completion:
             found = self._record_done(copy)
         except BackendUnavailable as exc:
             # keep renewing it and retry from the keeper: the attempt is done, and a
-            # duplicate must not take the claim over while the record cannot be written
+            # duplicate must not take the claim over while the record cannot be written.
+            # Celery's handler (the ack) waits for the record: on the Redis broker a copy
+            # that took the task over meanwhile shares this delivery's entry in unacked, and
+            # the ack would delete it. The worker's books do not wait (task_ready now).
             self.w.counters.incr("completion_deferred")
             logger.warning("Claim %s: %s, completion deferred: %s", copy.claim_id, why, exc)
-            celery_handler()
+            task_ready(copy.request)
+            copy.deferred_ack = celery_handler
             return
         except ClaimError as exc:
             logger.error("Claim %s: could not record completion: %s", copy.claim_id, exc)
