@@ -11,9 +11,10 @@ runs at once all the same, so the worker's own books are not held up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -38,7 +39,7 @@ def retrying(app: Celery) -> Callable[..., Any]:
     def body(self: Any, gate: str) -> str:
         if self.request.retries == 0:
             STARTED.add(gate)
-            wait_for(lambda: PAUSED.get(gate), timeout=20, what="the store paused")
+            wait_for(lambda: FAULTED.get(gate), timeout=20, what="the store's fault")
             raise self.retry()
         return "retried"
 
@@ -52,7 +53,7 @@ def returning(app: Celery) -> Callable[..., Any]:
     @app.task(shared=False, name="t.returning", ignore_result=True)
     def body(gate: str) -> str:
         STARTED.add(gate)
-        wait_for(lambda: PAUSED.get(gate), timeout=20, what="the store paused")
+        wait_for(lambda: FAULTED.get(gate), timeout=20, what="the store's fault")
         return "returned"
 
     return body  # type: ignore[no-any-return]
@@ -67,12 +68,32 @@ def deliveries(broker: redis.Redis, task_id: str) -> set[str]:
     }
 
 
-#: gate name -> the store is paused (set by the test, read by the task's body)
-PAUSED: dict[str, bool] = {}
+#: gate name -> the store is at fault (set by the test, read by the task's body)
+FAULTED: dict[str, bool] = {}
 #: the gates whose task's body has started (claimed: the store answered)
 STARTED: set[str] = set()
 
 
+@contextlib.contextmanager
+def paused(server: RedisServer) -> Iterator[None]:
+    """The store answers nothing (a partition, a stopped process)."""
+    with server.paused():
+        yield
+
+
+@contextlib.contextmanager
+def refusing_writes(server: RedisServer) -> Iterator[None]:
+    """The store answers, but refuses every write (``NOREPLICAS``: ``min-replicas-to-write``
+    set and no replica in reach): an error reply, not an unreachable store."""
+    client = server.client()
+    client.config_set("min-replicas-to-write", "1")
+    try:
+        yield
+    finally:
+        client.config_set("min-replicas-to-write", "0")
+
+
+@pytest.mark.parametrize("fault", [paused, refusing_writes])
 @pytest.mark.parametrize("make_task", [returning, retrying], ids=["returned", "retry"])
 def test_the_ack_waits_until_the_store_takes_the_completion_record(
     redis_server: RedisServer,
@@ -80,6 +101,7 @@ def test_the_ack_waits_until_the_store_takes_the_completion_record(
     queue: str,
     key_prefix: str,
     make_task: Callable[[Celery], Callable[..., Any]],
+    fault: Callable[[RedisServer], contextlib.AbstractContextManager[None]],
 ) -> None:
     # Given a worker on the Redis broker whose claim store is a server of its own
     app = make_app(
@@ -102,13 +124,18 @@ def test_the_ack_waits_until_the_store_takes_the_completion_record(
             result = task.delay(gate)
             wait_for(lambda: gate in STARTED, timeout=20, what="the body started")
             (tag,) = deliveries(broker, result.id)
-            # When the store stops answering while the body runs, and the body then ends
-            with private_redis.paused():
-                PAUSED[gate] = True
+            first = claim_task_id(result.id, Attempt(0, 0))
+            # When the store stops answering (or taking writes) while the body runs, and the
+            # body then ends
+            with fault(private_redis):
+                FAULTED[gate] = True
                 wait_for(
-                    lambda: worker.claims.counters.get("completion_deferred"),
+                    lambda: (
+                        worker.claims.counters.get("completion_deferred")
+                        or tag not in deliveries(broker, result.id)
+                    ),
                     timeout=20,
-                    what="the record deferred",
+                    what="the record deferred (or the message acked)",
                 )
                 time.sleep(1.0)  # Celery's handler, had it run, has acked by now
                 # Then the delivery stays in kombu's unacked hash while the record is unwritten
@@ -122,10 +149,10 @@ def test_the_ack_waits_until_the_store_takes_the_completion_record(
                 what="the ack after the record",
             )
             store = RedisClaimManager(client=private_redis.client(), prefix=key_prefix)
-            assert store.done_record(queue, claim_task_id(result.id, Attempt(0, 0))) is not None
+            assert store.done_record(queue, first) is not None
             if make_task is retrying:
                 assert result.get(timeout=30) == "retried"
     finally:
-        PAUSED.pop(gate, None)
+        FAULTED.pop(gate, None)
         STARTED.discard(gate)
         close_app(app)

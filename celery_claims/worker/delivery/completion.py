@@ -223,20 +223,19 @@ class Completion:
             if unreachable is not None:
                 raise unreachable
             found = self._record_done(copy)
-        except BackendUnavailable as exc:
-            # keep renewing it and retry from the keeper: the attempt is done, and a
+        except ClaimError as exc:
+            # unreachable, or refusing the write (an error reply: OOM at maxmemory, BUSY):
+            # keep renewing it and retry from the keeper; the attempt is done, and a
             # duplicate must not take the claim over while the record cannot be written.
             # Celery's handler (the ack) waits for the record: on the Redis broker a copy
             # that took the task over meanwhile shares this delivery's entry in unacked, and
             # the ack would delete it. The worker's books do not wait (task_ready now).
             self.w.counters.incr("completion_deferred")
-            logger.warning("Claim %s: %s, completion deferred: %s", copy.claim_id, why, exc)
+            log = logger.warning if isinstance(exc, BackendUnavailable) else logger.error
+            log("Claim %s: %s, completion deferred: %s", copy.claim_id, why, exc)
             task_ready(copy.request)
             copy.deferred_ack = celery_handler
             return
-        except ClaimError as exc:
-            logger.error("Claim %s: could not record completion: %s", copy.claim_id, exc)
-            found = Recovery(Verdict.RECORDED, detail=str(exc))
         if found.verdict is Verdict.LOST:
             self.losses.lose(copy, found.detail)
             return
