@@ -109,9 +109,10 @@ def test_the_ack_waits_until_the_store_takes_the_completion_record(
         queue=queue,
         claims_prefix=key_prefix,
         claims_redis_url=private_redis.url,
-        # a lease that outlasts the pause; the keeper retries the record every second
-        claims_lease_ms=20_000,
-        claims_renew_interval_ms=1_000,
+        # a lease that outlasts the test, renewed at 30 s: the record is retried sooner, at
+        # claims_unavailable_retry_ms (0.2 s, doubling up to 1 s)
+        claims_lease_ms=90_000,
+        claims_renew_interval_ms=30_000,
         claims_socket_timeout_ms=SOCKET_TIMEOUT_MS,
         # no redelivery within the test: the delivery stays in unacked until acked
         broker_transport_options={"visibility_timeout": 3600},
@@ -142,10 +143,11 @@ def test_the_ack_waits_until_the_store_takes_the_completion_record(
                 assert tag in deliveries(broker, result.id), "acked before it was recorded"
                 # while Celery's task_ready has run: the worker does not count it as active
                 assert result.id not in {r.id for r in worker_state.active_requests}
-            # And once the store answers, the record is written and the message acked
+            # And once the store answers, the record is written and the message acked, within
+            # the retry's backoff, not at the keeper's next beat
             wait_for(
                 lambda: tag not in deliveries(broker, result.id),
-                timeout=20,
+                timeout=10,
                 what="the ack after the record",
             )
             store = RedisClaimManager(client=private_redis.client(), prefix=key_prefix)

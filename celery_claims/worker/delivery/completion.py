@@ -45,6 +45,10 @@ class Completion:
         self.losses = losses
         #: the copies whose coming ack is to write their completion, by delivery tag
         self.riding: dict[Any, tuple[Copy, BrokerRide]] = {}
+        #: the copies whose record the store could not take (``COMPLETING``, their ack
+        #: waiting for it), by ``id``: the keeper retries them between its beats, at
+        #: ``claims_unavailable_retry_ms`` doubling (:meth:`unwritten`)
+        self.unwritten: dict[int, Copy] = {}
 
     def pool_settle(self, copy: Copy) -> tuple[str, str, str] | None:
         """What the process running ``copy``'s body needs to settle it itself, or None.
@@ -163,6 +167,7 @@ class Completion:
             copy.deferred_ack = functools.partial(ride.ack, tag)
             self.w.counters.incr("completion_deferred")
             logger.warning("Claim %s: succeeded, completion deferred: %s", copy.claim_id, exc)
+            self.unwritten_now(copy)
             return True
         ride.forget(tag)
         self.completed(copy, "succeeded")
@@ -235,6 +240,7 @@ class Completion:
             log("Claim %s: %s, completion deferred: %s", copy.claim_id, why, exc)
             task_ready(copy.request)
             copy.deferred_ack = celery_handler
+            self.unwritten_now(copy)
             return
         if found.verdict is Verdict.LOST:
             self.losses.lose(copy, found.detail)
@@ -270,15 +276,29 @@ class Completion:
         if ack is not None:
             self.w.on_loop(_quietly, ack, copy)
 
+    def unwritten_now(self, copy: Copy) -> None:
+        """``copy``'s record could not be written: retried soon by the keeper."""
+        self.unwritten[id(copy)] = copy
+        self.w.wake_keeper()
+
+    def retry_unwritten(self) -> bool:
+        """Retry every record of :attr:`unwritten` (the keeper's thread); True if some
+        are still unwritten."""
+        for copy in list(self.unwritten.values()):
+            self.complete_deferred(copy)
+        return bool(self.unwritten)
+
     def complete_deferred(self, copy: Copy) -> None:
         """Retry a completion the store could not take (``COMPLETING``)."""
         if copy.state is not State.COMPLETING:
+            self.unwritten.pop(id(copy), None)
             return
         try:
             found = self._record_done(copy)
         except ClaimError as exc:
             logger.debug("Claim %s: completion still deferred: %s", copy.claim_id, exc)
             return
+        self.unwritten.pop(id(copy), None)
         if found.verdict is Verdict.LOST:
             self.losses.lose(copy, found.detail)
         else:

@@ -12,7 +12,9 @@ exactly while a long task needs its lease renewed. Each beat it:
    renewal goes to the lifecycle, which finds out whose the task is now
    (:mod:`celery_claims.worker.delivery.verdict`) and stops the copy only if another one owns it;
 2. renews the lane slots of running tasks;
-3. retries completions the claim store could not take;
+3. retries completions the claim store could not take (also between beats: from
+   ``claims_unavailable_retry_ms``, doubling up to ``claims_unavailable_retry_max_ms``, as
+   their messages are acked only once recorded);
 4. gives up copies the pool has not started within ``claims_start_timeout_ms``, and stops
    renewing copies running past their time limit (which not every pool enforces);
 5. with the Redis broker, refreshes the score of every claimed or held delivery in kombu's
@@ -71,6 +73,9 @@ class Keeper:
         self._thread: threading.Thread | None = None
         self._stop_at: float | None = None
         self._unavailable_since: float | None = None
+        # the retry of completions the store could not take: when, and the delay after it
+        self._records_at = math.inf
+        self._records_delay_s = self.settings.unavailable_retry_ms / 1000
         # a claim acquired with a lease shorter than the period must not wait for the next beat
         self.life.wake_keeper = self._wake.set
         self.watch = MasterWatch(
@@ -118,9 +123,31 @@ class Keeper:
                     self._renew(self._due(now))
             except Exception:
                 logger.exception("Lease keeper beat failed")
-            wait_s = min(next_beat, self._next_due()) - time.monotonic()
+            wait_s = min(next_beat, self._next_due(), self._records_due()) - time.monotonic()
             if self._wake.wait(max(wait_s, 0.0)):
                 self._wake.clear()
+
+    def _records_due(self) -> float:
+        """When to retry the completions the store could not take (retried now if due)."""
+        if not self.life.done.unwritten:
+            self._records_at = math.inf
+            self._records_delay_s = self.settings.unavailable_retry_ms / 1000
+            return math.inf
+        now = time.monotonic()
+        if self._records_at == math.inf:
+            self._records_at = now + self._records_delay_s  # new ones: the first delay
+        elif now >= self._records_at:
+            try:
+                left = self.life.done.retry_unwritten()
+            except Exception:
+                logger.exception("Lease keeper: retrying completions failed")
+                left = True
+            if not left:
+                return self._records_due()
+            cap_s = self.settings.unavailable_retry_max_ms / 1000
+            self._records_delay_s = min(self._records_delay_s * 2, cap_s)
+            self._records_at = time.monotonic() + self._records_delay_s
+        return self._records_at
 
     def _period_s(self, copy: Copy) -> float:
         return self.settings.renew_interval_for(copy.lease_ms) / 1000

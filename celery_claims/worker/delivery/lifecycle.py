@@ -342,6 +342,7 @@ class Lifecycle:
                 copy.deferred_ack = copy.request.acknowledge
                 self.ends.leave_pool(copy, State.COMPLETING, "body returned, claim unverifiable")
                 self.w.counters.incr("completion_deferred")
+                self.done.unwritten_now(copy)
                 return
             self.ends.hand_back(copy, f"claim unverifiable ({exc.phase})")
             return
