@@ -91,7 +91,9 @@ def worker(
     if callgrind:
         out = logs / f"callgrind.{queue}.%p"
         args = [
-            "valgrind", "--tool=callgrind", "--separate-threads=yes",
+            # trace-children: a forked pool process gets valgrind's gdbserver too, so that
+            # callgrind_control reaches it (its counts are zeroed and dumped with the main's)
+            "valgrind", "--tool=callgrind", "--separate-threads=yes", "--trace-children=yes",
             f"--callgrind-out-file={out}", *args,
         ]  # fmt: skip
     with (logs / f"{queue}.log").open("wb") as log:
@@ -105,7 +107,20 @@ def worker(
 
 
 def callgrind_control(option: str, pid: int) -> None:
-    subprocess.run(["callgrind_control", option, str(pid)], check=True, capture_output=True)
+    done = subprocess.run(
+        ["callgrind_control", option, str(pid)], check=True, capture_output=True, text=True
+    )
+    if "OK." not in done.stdout:  # it exits 0 on a process it cannot reach
+        raise SystemExit(f"callgrind_control {option} {pid}: {done.stdout}{done.stderr}")
+
+
+def children(pid: int) -> list[int]:
+    """The worker's pool processes (forked under valgrind, each dumping its own counts)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
 
 
 def dumped_instructions(logs: Path, queue: str, pid: int) -> tuple[int, int]:
@@ -180,21 +195,28 @@ def measure(
                 overhead.run_batch(broker, publisher, variant, queue, "bench.noop", 20, log=log)
                 time.sleep(SETTLE_S)
                 start_log(clients, tasks)
+                pool_pids = children(proc.pid) if callgrind else []
                 if callgrind:
-                    callgrind_control("-z", proc.pid)
+                    for pid in (proc.pid, *pool_pids):
+                        callgrind_control("-z", pid)
                 overhead.run_batch(broker, publisher, variant, queue, "bench.noop", tasks, log=log)
                 time.sleep(SETTLE_S)
-                instructions = others = None
+                instructions = others = in_pool = None
                 if callgrind:
                     callgrind_control("-d", proc.pid)
                     main, rest = dumped_instructions(logs, queue, proc.pid)
                     instructions, others = main / tasks, rest / tasks
+                    if pool_pids:
+                        for pid in pool_pids:
+                            callgrind_control("-d", pid)
+                        in_pool = sum(sum(dumped_instructions(logs, queue, p)) for p in pool_pids)
+                        in_pool /= tasks
                 commands = read_log(clients, tasks, shas)
         finally:
             publisher.close()
             for client in (broker, store):
                 client.close()
-    return {"commands": commands, "instructions": instructions, "others": others}
+    return {"commands": commands, "instructions": instructions, "others": others, "pool": in_pool}
 
 
 #: ``--pipe``: ``n`` claims and records through a ``StorePipe`` on a kombu hub, on the store at
@@ -280,7 +302,12 @@ def main() -> None:
     variants = opts.variants.split(",")
     if opts.baseline is not None:
         overhead.BASELINE = opts.baseline
-        variants += [v for v in overhead.BASE_VARIANTS if v not in variants]
+        # the baseline of each variant chosen that has one
+        variants += [
+            v
+            for v in overhead.BASE_VARIANTS
+            if v not in variants and v.removesuffix("-base") in variants
+        ]
     logs = opts.keep or Path(tempfile.mkdtemp(prefix="bench-counts-"))
     shas = script_names()
     print(f"{opts.tasks} no-op tasks a batch; logs in {logs}", flush=True)
@@ -301,12 +328,15 @@ def main() -> None:
                 if ins
                 else "no callgrind"
             )
+            if found["pool"] is not None:
+                shown += f", {found['pool'] / 1000:,.0f}k pool processes"
             print(f"{pool:7} {variant:15} {shown}; {listed}", flush=True)
     print(
-        "\n| pool | variant | main thread instructions/msg | broker commands/msg "
-        "| broker scripts/msg | store commands/msg | store scripts/msg (journal_put) |"
+        "\n| pool | variant | main thread instructions/msg | pool processes instructions/msg "
+        "| broker commands/msg | broker scripts/msg | store commands/msg "
+        "| store scripts/msg (journal_put) |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for pool, variant, found in rows:
         cmds, ins = found["commands"], found["instructions"]
         broker, store = cmds["broker"], cmds.get("store")
@@ -316,8 +346,10 @@ def main() -> None:
             if store is not None
             else "- | -"
         )
+        in_pool = found["pool"]
         print(
             f"| {pool} | {variant} | {f'{ins / 1000:,.0f}k' if ins else '-'} | "
+            f"{f'{in_pool / 1000:,.0f}k' if in_pool is not None else '-'} | "
             f"{sum(broker.values()):.2f} | {scripts(broker):.2f} | {on_store} |"
         )
 

@@ -162,6 +162,9 @@ class Lifecycle:
         #: lease (ms) -> whether a claim of it is renewed more often than the keeper beats
         #: (it wakes the keeper): a few distinct leases, asked for every claim
         self._short_leases: dict[int, bool] = {}
+        #: the waker and the slots are bound to the consumer's loop and QoS (:meth:`on_loop`;
+        #: until its connection closes)
+        self._loop_bound = False
         if lanes is not None:
             lanes.slots = w.slots
             lanes.waker = w.waker
@@ -187,16 +190,20 @@ class Lifecycle:
 
     def loop_started(self) -> None:
         """The consumer (re)started, on its loop's thread: the loop can be woken again."""
+        self._loop_bound = False  # its hub and QoS are bound again at the next message
         self.w.waker.attach(self.w.consumer)
         self.rates.resume()
 
     def on_loop(self) -> None:
         """The caller is the consumer's event loop (the gate calls this for each message)."""
         self.w.loop_thread = threading.get_ident()
+        if self._loop_bound:
+            return  # bound since the consumer (re)started: nothing changed since
         self.w.waker.attach(self.w.consumer)
         qos, window = prefetch_qos(self.w.consumer)
         if self.w.slots.qos is not qos:
             self.w.slots.bind(qos, window, self.valve)
+        self._loop_bound = True
 
     # --- the gate's outcomes ----------------------------------------------------------------
 
@@ -448,6 +455,7 @@ class Lifecycle:
         pool) are released, so their redelivered copies do not wait for a lease nobody will finish.
         Copies in the pool keep their claims.
         """
+        self._loop_bound = False
         if self.w.lanes is not None:
             self.w.lanes.drop_all()
         self.rates.drop_all()
@@ -484,6 +492,8 @@ def _announce_claim(copy: Copy, result: Success | TookOver) -> None:
         logger.info(
             "Claim %s: took over from %s (instance %d)", copy.claim_id, previous, copy.instance
         )
+    if not signals.claim_acquired.receivers:
+        return  # nobody listens (the task history is off): no arguments built per message
     key = copy.key
     signals.claim_acquired.send(
         sender=copy.request.task,
