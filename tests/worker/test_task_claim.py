@@ -12,10 +12,12 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.signals import before_task_publish
 
 from celery_claims import RedisClaimManager
 from celery_claims.fencing import TaskClaim
 from celery_claims.worker import claim_acquired, current_claim, history_connected
+from celery_claims.worker.delivery.guard import SETTLE_KEY
 from tests.servers import RedisServer, on_every_server
 from tests.worker.helpers import close_app, in_process_worker, make_app, unique, wait_done
 from tests.worker.lanefleet import events, lanes_worker
@@ -234,10 +236,6 @@ def test_a_retry_of_a_copy_its_pool_process_settles_carries_none_of_the_settle_f
     # Given a task after whose body nothing can fail (no result stored), on a worker whose
     # claim store is its Redis broker: the process running its body settles it itself, told
     # how in its request (SETTLE_KEY)
-    from celery.signals import before_task_publish
-
-    from celery_claims.worker.delivery.guard import SETTLE_KEY
-
     app = make_app(store_server.url, queue=queue, claims_prefix=key_prefix)
     settles: list[Any] = []
 
@@ -265,7 +263,8 @@ def test_a_retry_of_a_copy_its_pool_process_settles_carries_none_of_the_settle_f
 
     # Then both attempts were settled by their pool process, and the message of the retry
     # carries nothing of the first delivery's settle (its delivery tag, kombu's keys)
-    assert len(settles) == 2 and all(settle is not None for settle in settles)
+    assert len(settles) == 2
+    assert all(settle is not None for settle in settles)
     retried = [h for h in published if h.get("id") == task_id and h.get("retries") == 1]
     assert len(retried) == 1
     assert SETTLE_KEY not in retried[0]

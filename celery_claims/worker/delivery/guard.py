@@ -450,7 +450,7 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
             return run(*args, **kwargs)
         if claim.mark_start:
             _mark_start(task, claim, verifier)
-        else:
+        elif not _surely_held(claim):  # else nobody can have taken it over: no question
             _check(task, claim, verifier, "start", "before it started")
         try:
             retval = run(*args, **kwargs)

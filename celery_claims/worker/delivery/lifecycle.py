@@ -265,7 +265,8 @@ class Lifecycle:
             self._short_leases[copy.lease_ms] = short
         if short:
             self.w.wake_keeper()
-        self.holds.cancel_timer(copy)
+        if copy.timer_entry is not None:  # a held copy's re-check
+            self.holds.cancel_timer(copy)
         self.w.slots.take_back(copy)
         self.w.counters.incr("took_over" if took_over else "acquired")
         _announce_claim(copy, result)
