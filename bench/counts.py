@@ -15,17 +15,20 @@ store of ``claims-sep``) drains a batch of no-op tasks, and this prints, per mes
   polls are left out; a ``MULTI`` transaction's commands count one by one, ``EXEC`` is not
   logged): the store's script calls per message are the round trips a claim costs there;
 - **instructions** of the worker's main process (``valgrind --tool=callgrind``, counters
-  zeroed before the batch and dumped after it; its pool processes run under valgrind too but
-  are not counted): repeatable whatever else runs. Its main thread (the consumer's loop, and
-  a solo pool's tasks) is counted apart from its other threads: the lease keeper's beats
-  and the journal's scans come every few seconds of wall time, and a batch drained at
-  valgrind's pace meets none or a few of them (tens of thousands of instructions a message
-  on prefork: what made two runs of the same code differ by 2 %). The main thread still
-  includes its idle ``BRPOP`` timeouts: a few thousand instructions a message at these batch
-  sizes. ``--no-callgrind`` skips it.
+  zeroed before the batch and dumped after it): repeatable whatever else runs; and, apart, of
+  its prefork pool processes (every thread; ``--trace-children=yes`` gives a forked process
+  valgrind's gdbserver, so ``callgrind_control`` zeroes and dumps them with the main process),
+  where the guard around each body runs (its settle round trip). Its main thread (the
+  consumer's loop, and a solo pool's tasks) is counted apart from its other threads: the lease
+  keeper's beats and the journal's scans come every few seconds of wall time, and a batch
+  drained at valgrind's pace meets none or a few of them (tens of thousands of instructions a
+  message on prefork: what made two runs of the same code differ by 2 %). The main thread
+  still includes its idle ``BRPOP`` timeouts: a few thousand instructions a message at these
+  batch sizes. ``--no-callgrind`` skips it.
 
-``--baseline TREE`` adds ``claims-base`` and ``claims-sep-base``: the same variants run from
-another checkout (``git worktree add TREE <commit>``), worker and producer, in the same run.
+``--baseline TREE`` adds ``claims-base`` and ``claims-sep-base`` (each where its variant is
+chosen): the same variants run from another checkout (``git worktree add TREE <commit>``),
+worker and producer, in the same run.
 ``--keep DIR`` writes the callgrind dumps and the workers' logs to ``DIR`` (else a new
 temporary folder, printed): ``callgrind_annotate --inclusive=yes DIR/callgrind.counts-<variant>-
 <pool>.<pid>.1-01`` shows where a variant's main thread spent its instructions in the batch.
