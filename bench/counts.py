@@ -15,17 +15,20 @@ store of ``claims-sep``) drains a batch of no-op tasks, and this prints, per mes
   polls are left out; a ``MULTI`` transaction's commands count one by one, ``EXEC`` is not
   logged): the store's script calls per message are the round trips a claim costs there;
 - **instructions** of the worker's main process (``valgrind --tool=callgrind``, counters
-  zeroed before the batch and dumped after it; its pool processes run under valgrind too but
-  are not counted): repeatable whatever else runs. Its main thread (the consumer's loop, and
-  a solo pool's tasks) is counted apart from its other threads: the lease keeper's beats
-  and the journal's scans come every few seconds of wall time, and a batch drained at
-  valgrind's pace meets none or a few of them (tens of thousands of instructions a message
-  on prefork: what made two runs of the same code differ by 2 %). The main thread still
-  includes its idle ``BRPOP`` timeouts: a few thousand instructions a message at these batch
-  sizes. ``--no-callgrind`` skips it.
+  zeroed before the batch and dumped after it): repeatable whatever else runs; and, apart, of
+  its prefork pool processes (every thread; ``--trace-children=yes`` gives a forked process
+  valgrind's gdbserver, so ``callgrind_control`` zeroes and dumps them with the main process),
+  where the guard around each body runs (its settle round trip). Its main thread (the
+  consumer's loop, and a solo pool's tasks) is counted apart from its other threads: the lease
+  keeper's beats and the journal's scans come every few seconds of wall time, and a batch
+  drained at valgrind's pace meets none or a few of them (tens of thousands of instructions a
+  message on prefork: what made two runs of the same code differ by 2 %). The main thread
+  still includes its idle ``BRPOP`` timeouts: a few thousand instructions a message at these
+  batch sizes. ``--no-callgrind`` skips it.
 
-``--baseline TREE`` adds ``claims-base`` and ``claims-sep-base``: the same variants run from
-another checkout (``git worktree add TREE <commit>``), worker and producer, in the same run.
+``--baseline TREE`` adds ``claims-base`` and ``claims-sep-base`` (each where its variant is
+chosen): the same variants run from another checkout (``git worktree add TREE <commit>``),
+worker and producer, in the same run.
 ``--keep DIR`` writes the callgrind dumps and the workers' logs to ``DIR`` (else a new
 temporary folder, printed): ``callgrind_annotate --inclusive=yes DIR/callgrind.counts-<variant>-
 <pool>.<pid>.1-01`` shows where a variant's main thread spent its instructions in the batch.
@@ -91,7 +94,9 @@ def worker(
     if callgrind:
         out = logs / f"callgrind.{queue}.%p"
         args = [
-            "valgrind", "--tool=callgrind", "--separate-threads=yes",
+            # trace-children: a forked pool process gets valgrind's gdbserver too, so that
+            # callgrind_control reaches it (its counts are zeroed and dumped with the main's)
+            "valgrind", "--tool=callgrind", "--separate-threads=yes", "--trace-children=yes",
             f"--callgrind-out-file={out}", *args,
         ]  # fmt: skip
     with (logs / f"{queue}.log").open("wb") as log:
@@ -105,7 +110,20 @@ def worker(
 
 
 def callgrind_control(option: str, pid: int) -> None:
-    subprocess.run(["callgrind_control", option, str(pid)], check=True, capture_output=True)
+    done = subprocess.run(
+        ["callgrind_control", option, str(pid)], check=True, capture_output=True, text=True
+    )
+    if "OK." not in done.stdout:  # it exits 0 on a process it cannot reach
+        raise SystemExit(f"callgrind_control {option} {pid}: {done.stdout}{done.stderr}")
+
+
+def children(pid: int) -> list[int]:
+    """The worker's pool processes (forked under valgrind, each dumping its own counts)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
 
 
 def dumped_instructions(logs: Path, queue: str, pid: int) -> tuple[int, int]:
@@ -180,21 +198,28 @@ def measure(
                 overhead.run_batch(broker, publisher, variant, queue, "bench.noop", 20, log=log)
                 time.sleep(SETTLE_S)
                 start_log(clients, tasks)
+                pool_pids = children(proc.pid) if callgrind else []
                 if callgrind:
-                    callgrind_control("-z", proc.pid)
+                    for pid in (proc.pid, *pool_pids):
+                        callgrind_control("-z", pid)
                 overhead.run_batch(broker, publisher, variant, queue, "bench.noop", tasks, log=log)
                 time.sleep(SETTLE_S)
-                instructions = others = None
+                instructions = others = in_pool = None
                 if callgrind:
                     callgrind_control("-d", proc.pid)
                     main, rest = dumped_instructions(logs, queue, proc.pid)
                     instructions, others = main / tasks, rest / tasks
+                    if pool_pids:
+                        for pid in pool_pids:
+                            callgrind_control("-d", pid)
+                        in_pool = sum(sum(dumped_instructions(logs, queue, p)) for p in pool_pids)
+                        in_pool /= tasks
                 commands = read_log(clients, tasks, shas)
         finally:
             publisher.close()
             for client in (broker, store):
                 client.close()
-    return {"commands": commands, "instructions": instructions, "others": others}
+    return {"commands": commands, "instructions": instructions, "others": others, "pool": in_pool}
 
 
 #: ``--pipe``: ``n`` claims and records through a ``StorePipe`` on a kombu hub, on the store at
@@ -280,7 +305,12 @@ def main() -> None:
     variants = opts.variants.split(",")
     if opts.baseline is not None:
         overhead.BASELINE = opts.baseline
-        variants += [v for v in overhead.BASE_VARIANTS if v not in variants]
+        # the baseline of each variant chosen that has one
+        variants += [
+            v
+            for v in overhead.BASE_VARIANTS
+            if v not in variants and v.removesuffix("-base") in variants
+        ]
     logs = opts.keep or Path(tempfile.mkdtemp(prefix="bench-counts-"))
     shas = script_names()
     print(f"{opts.tasks} no-op tasks a batch; logs in {logs}", flush=True)
@@ -301,12 +331,15 @@ def main() -> None:
                 if ins
                 else "no callgrind"
             )
+            if found["pool"] is not None:
+                shown += f", {found['pool'] / 1000:,.0f}k pool processes"
             print(f"{pool:7} {variant:15} {shown}; {listed}", flush=True)
     print(
-        "\n| pool | variant | main thread instructions/msg | broker commands/msg "
-        "| broker scripts/msg | store commands/msg | store scripts/msg (journal_put) |"
+        "\n| pool | variant | main thread instructions/msg | pool processes instructions/msg "
+        "| broker commands/msg | broker scripts/msg | store commands/msg "
+        "| store scripts/msg (journal_put) |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for pool, variant, found in rows:
         cmds, ins = found["commands"], found["instructions"]
         broker, store = cmds["broker"], cmds.get("store")
@@ -316,8 +349,10 @@ def main() -> None:
             if store is not None
             else "- | -"
         )
+        in_pool = found["pool"]
         print(
             f"| {pool} | {variant} | {f'{ins / 1000:,.0f}k' if ins else '-'} | "
+            f"{f'{in_pool / 1000:,.0f}k' if in_pool is not None else '-'} | "
             f"{sum(broker.values()):.2f} | {scripts(broker):.2f} | {on_store} |"
         )
 

@@ -12,10 +12,12 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.signals import before_task_publish
 
 from celery_claims import RedisClaimManager
 from celery_claims.fencing import TaskClaim
 from celery_claims.worker import claim_acquired, current_claim, history_connected
+from celery_claims.worker.delivery.guard import SETTLE_KEY
 from tests.servers import RedisServer, on_every_server
 from tests.worker.helpers import close_app, in_process_worker, make_app, unique, wait_done
 from tests.worker.lanefleet import events, lanes_worker
@@ -225,3 +227,44 @@ def test_claims_strict_settings_makes_the_celery_worker_command_refuse_to_start(
     assert "Traceback" not in out
     assert "task_acks_late is off" in out
     assert "Set task_acks_late = True" in out
+
+
+@on_every_server
+def test_a_retry_of_a_copy_its_pool_process_settles_carries_none_of_the_settle_fields(
+    store_server: RedisServer, queue: str, key_prefix: str, claims: RedisClaimManager
+) -> None:
+    # Given a task after whose body nothing can fail (no result stored), on a worker whose
+    # claim store is its Redis broker: the process running its body settles it itself, told
+    # how in its request (SETTLE_KEY)
+    app = make_app(store_server.url, queue=queue, claims_prefix=key_prefix)
+    settles: list[Any] = []
+
+    @app.task(bind=True, shared=False, name="t.retry_quiet", ignore_result=True)
+    def retry_quiet(self: Any) -> None:
+        settles.append(getattr(self.request, SETTLE_KEY, None))
+        if self.request.retries == 0:
+            raise self.retry(countdown=0, max_retries=1)
+
+    published: list[dict[str, Any]] = []
+
+    def on_publish(headers: Any = None, **_: Any) -> None:
+        published.append(dict(headers or {}))
+
+    before_task_publish.connect(on_publish, weak=False)
+    task_id = unique("settled-retry")
+    try:
+        with in_process_worker(app):
+            # When its first attempt retries
+            retry_quiet.apply_async(task_id=task_id)
+            wait_done(claims, queue, f"{task_id}:1:0")
+    finally:
+        before_task_publish.disconnect(on_publish)
+        close_app(app)
+
+    # Then both attempts were settled by their pool process, and the message of the retry
+    # carries nothing of the first delivery's settle (its delivery tag, kombu's keys)
+    assert len(settles) == 2
+    assert all(settle is not None for settle in settles)
+    retried = [h for h in published if h.get("id") == task_id and h.get("retries") == 1]
+    assert len(retried) == 1
+    assert SETTLE_KEY not in retried[0]

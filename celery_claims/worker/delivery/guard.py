@@ -115,16 +115,19 @@ class StaleCopy(Ignore):  # type: ignore[misc]  # celery is untyped
 
 
 def declare_request_key() -> None:
-    """Make ``claim`` a known field of Celery's task ``Context`` (idempotent).
+    """Make ``claim`` and ``claims_settle`` known fields of Celery's task ``Context``
+    (idempotent).
 
     ``Context`` treats every request field it does not define as a custom message header and
     copies it into the messages a task sends with ``retry()`` or ``replace()``: the claim of
-    one attempt would leak into the next (and fail to serialize). Declaring the field (default
-    ``None``) keeps it out of the headers, and makes ``self.request.claim`` read ``None`` in
-    a task that is not claimed instead of raising ``AttributeError``.
+    one attempt would leak into the next (and fail to serialize), and so would the settle
+    of its delivery (kombu's keys and its delivery tag). Declaring the fields (default
+    ``None``) keeps them out of the headers, and makes ``self.request.claim`` read ``None``
+    in a task that is not claimed instead of raising ``AttributeError``.
     """
-    if REQUEST_KEY not in Context.__dict__:
-        setattr(Context, REQUEST_KEY, None)
+    for key in (REQUEST_KEY, SETTLE_KEY):
+        if key not in Context.__dict__:
+            setattr(Context, key, None)
 
 
 def current_claim() -> TaskClaim | None:
@@ -201,6 +204,9 @@ class _Verifier:
         pid = os.getpid()
         if pid == self.parent_pid:
             return self._parent_manager
+        manager = self._manager
+        if manager is not None and self._pid == pid:
+            return manager  # every call of a pool process after its first
         with self._lock:
             if self._manager is None or self._pid != pid:
                 # a prefork child: never share the parent's sockets across fork
@@ -231,9 +237,9 @@ class _Verifier:
 
         return self._answered(ask)
 
-    def leaves_record_to_ack(self, task: Any, claim: TaskClaim) -> bool:
-        """True if the worker's ack will write this attempt's record (module docstring)."""
-        request = task.request
+    def leaves_record_to_ack(self, task: Any, request: Any, claim: TaskClaim) -> bool:
+        """True if the worker's ack will write this attempt's record (module docstring);
+        ``request``: the task's ``self.request``."""
         return (
             self.ack_records
             and _surely_held(claim)
@@ -437,12 +443,14 @@ def records_after_trace(request: Any) -> bool:
 def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
     @functools.wraps(run)
     def claims_guarded_run(*args: Any, **kwargs: Any) -> Any:
-        claim = getattr(task.request, REQUEST_KEY, None)
+        # the request of this call (``task.request`` is a property over a thread's stack)
+        request = task.request
+        claim = getattr(request, REQUEST_KEY, None)
         if not isinstance(claim, TaskClaim):
             return run(*args, **kwargs)
         if claim.mark_start:
             _mark_start(task, claim, verifier)
-        else:
+        elif not _surely_held(claim):  # else nobody can have taken it over: no question
             _check(task, claim, verifier, "start", "before it started")
         try:
             retval = run(*args, **kwargs)
@@ -451,10 +459,10 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
         except Exception as exc:
             _check(task, claim, verifier, "failed", f"failed ({type(exc).__name__})", exc)
             raise
-        request = task.request
         if _is_canvas_part(request.callbacks, request.chain, request.chord, request.group):
             # recorded after the trace has sent and reported what other tasks wait on, which
             # are of this copy's run (both at task_postrun)
+            _connect_after_trace()
             _check(task, claim, verifier, "unreported", "finished")
             runs.inherit(owner_run(claim.owner))
             _after_trace.pending = (request.id, claim, verifier)
@@ -466,7 +474,7 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
         if settle is not None:
             _settle(task, claim, verifier, settle)
             return retval
-        if verifier.leaves_record_to_ack(task, claim):
+        if verifier.leaves_record_to_ack(task, request, claim):
             verifier.send_record(claim)
             return retval
         try:
@@ -484,6 +492,22 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
 #: per thread: the canvas part whose completion is recorded when its trace ends, as
 #: ``(task id, claim, verifier)``
 _after_trace = threading.local()
+
+#: :func:`_record_after_trace` is connected to ``task_postrun`` in this process
+_after_trace_connected = False
+
+
+def _connect_after_trace() -> None:
+    """Connect :func:`_record_after_trace` to ``task_postrun`` (once a process), when the
+    first canvas part's body returns: before that no task needs it, and a signal with a
+    receiver costs every task's trace its send. Celery's tracer keeps the signal's list of
+    receivers (``build_tracer``) and reads it after the body, so the receiver connected now
+    runs at this very trace's end (the list is appended to, never replaced; Celery 5.3 to
+    5.7, ``celery/app/trace.py``, ``celery/utils/dispatch/signal.py``)."""
+    global _after_trace_connected
+    if not _after_trace_connected:
+        task_postrun.connect(_record_after_trace, weak=False, dispatch_uid=_POSTRUN_UID)
+        _after_trace_connected = True
 
 
 def _record_after_trace(task_id: Any = None, state: Any = None, **_: Any) -> None:
@@ -605,7 +629,6 @@ def guard_tasks(
     (:func:`records_left_to_worker`).
     """
     verifier = _Verifier(settings, manager, ack_records=ack_records)
-    task_postrun.connect(_record_after_trace, weak=False, dispatch_uid=_POSTRUN_UID)
     wrapped = 0
     for name, task in list(app.tasks.items()):
         if is_exempt(task, name) or getattr(task.run, _GUARDED, False):

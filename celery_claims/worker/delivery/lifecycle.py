@@ -162,6 +162,9 @@ class Lifecycle:
         #: lease (ms) -> whether a claim of it is renewed more often than the keeper beats
         #: (it wakes the keeper): a few distinct leases, asked for every claim
         self._short_leases: dict[int, bool] = {}
+        #: the waker and the slots are bound to the consumer's loop and QoS (:meth:`on_loop`;
+        #: until its connection closes)
+        self._loop_bound = False
         if lanes is not None:
             lanes.slots = w.slots
             lanes.waker = w.waker
@@ -187,16 +190,20 @@ class Lifecycle:
 
     def loop_started(self) -> None:
         """The consumer (re)started, on its loop's thread: the loop can be woken again."""
+        self._loop_bound = False  # its hub and QoS are bound again at the next message
         self.w.waker.attach(self.w.consumer)
         self.rates.resume()
 
     def on_loop(self) -> None:
         """The caller is the consumer's event loop (the gate calls this for each message)."""
         self.w.loop_thread = threading.get_ident()
+        if self._loop_bound:
+            return  # bound since the consumer (re)started: nothing changed since
         self.w.waker.attach(self.w.consumer)
         qos, window = prefetch_qos(self.w.consumer)
         if self.w.slots.qos is not qos:
             self.w.slots.bind(qos, window, self.valve)
+        self._loop_bound = True
 
     # --- the gate's outcomes ----------------------------------------------------------------
 
@@ -258,7 +265,8 @@ class Lifecycle:
             self._short_leases[copy.lease_ms] = short
         if short:
             self.w.wake_keeper()
-        self.holds.cancel_timer(copy)
+        if copy.timer_entry is not None:  # a held copy's re-check
+            self.holds.cancel_timer(copy)
         self.w.slots.take_back(copy)
         self.w.counters.incr("took_over" if took_over else "acquired")
         _announce_claim(copy, result)
@@ -449,6 +457,7 @@ class Lifecycle:
         pool) are released, so their redelivered copies do not wait for a lease nobody will finish.
         Copies in the pool keep their claims.
         """
+        self._loop_bound = False
         if self.w.lanes is not None:
             self.w.lanes.drop_all()
         self.rates.drop_all()
@@ -485,6 +494,8 @@ def _announce_claim(copy: Copy, result: Success | TookOver) -> None:
         logger.info(
             "Claim %s: took over from %s (instance %d)", copy.claim_id, previous, copy.instance
         )
+    if not signals.claim_acquired.receivers:
+        return  # nobody listens (the task history is off): no arguments built per message
     key = copy.key
     signals.claim_acquired.send(
         sender=copy.request.task,
