@@ -462,7 +462,6 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
         if _is_canvas_part(request.callbacks, request.chain, request.chord, request.group):
             # recorded after the trace has sent and reported what other tasks wait on, which
             # are of this copy's run (both at task_postrun)
-            _connect_after_trace()
             _check(task, claim, verifier, "unreported", "finished")
             runs.inherit(owner_run(claim.owner))
             _after_trace.pending = (request.id, claim, verifier)
@@ -492,22 +491,6 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
 #: per thread: the canvas part whose completion is recorded when its trace ends, as
 #: ``(task id, claim, verifier)``
 _after_trace = threading.local()
-
-#: :func:`_record_after_trace` is connected to ``task_postrun`` in this process
-_after_trace_connected = False
-
-
-def _connect_after_trace() -> None:
-    """Connect :func:`_record_after_trace` to ``task_postrun`` (once a process), when the
-    first canvas part's body returns: before that no task needs it, and a signal with a
-    receiver costs every task's trace its send. Celery's tracer keeps the signal's list of
-    receivers (``build_tracer``) and reads it after the body, so the receiver connected now
-    runs at this very trace's end (the list is appended to, never replaced; Celery 5.3 to
-    5.7, ``celery/app/trace.py``, ``celery/utils/dispatch/signal.py``)."""
-    global _after_trace_connected
-    if not _after_trace_connected:
-        task_postrun.connect(_record_after_trace, weak=False, dispatch_uid=_POSTRUN_UID)
-        _after_trace_connected = True
 
 
 def _record_after_trace(task_id: Any = None, state: Any = None, **_: Any) -> None:
@@ -629,6 +612,10 @@ def guard_tasks(
     (:func:`records_left_to_worker`).
     """
     verifier = _Verifier(settings, manager, ack_records=ack_records)
+    # connected before any tracer is built, not when it is first needed: Celery's tracer keeps
+    # the signal's list of receivers (build_tracer), and Signal.connect replaces that list
+    # where a weakly connected receiver died, so a later connect may never reach it
+    task_postrun.connect(_record_after_trace, weak=False, dispatch_uid=_POSTRUN_UID)
     wrapped = 0
     for name, task in list(app.tasks.items()):
         if is_exempt(task, name) or getattr(task.run, _GUARDED, False):
