@@ -19,9 +19,10 @@ message cost (Linux schedstat): the worker's main process, its pool processes, t
 redis-server, the producer (``bench/publisher.py``, a process of its own for every variant:
 all its threads, over the batch, as for the worker), the claim store's redis-server of the
 variants with a store apart (``-sep``: its every thread, so 0 for the others), and their sum,
-which on 2 busy cores is what the time follows, with less noise. Before the rounds, each producer publishes one task to
-a queue nobody consumes, and the keys it wrote for it are printed: which producers journal is
-shown, not assumed. Needs ``celery-once`` and ``celery-singleton`` (``pip install -e .[bench]``).
+which on 2 busy cores is what the time follows, with less noise. Before the rounds, each
+producer publishes one task to a queue nobody consumes, and the keys it wrote for it are
+printed: which producers journal is shown, not assumed. Needs ``celery-once`` and
+``celery-singleton`` (``pip install -e .[bench]``).
 
 ``--baseline TREE`` adds the variants ``claims-base`` and ``claims-sep-base``: the ``claims``
 and ``claims-sep`` variants (the store on the broker, and on a server of its own) run from
@@ -118,10 +119,13 @@ class Publisher:
     variant's checkout, so that a ``-base`` variant publishes with the baseline's
     ``celery_claims`` (its journal included) and every producer's CPU is measured alike."""
 
-    def __init__(self, url: str, variant: str, queue: str, log: Path) -> None:
+    def __init__(
+        self, url: str, variant: str, queue: str, log: Path, prefix: tuple[str, ...] = ()
+    ) -> None:
         tree, name = checkout(variant)
         self.variant, self.log = variant, log
-        args = [sys.executable, str(ROOT / "bench" / "publisher.py"), name, url, queue]
+        # prefix: a command the producer runs under (``bench/counts.py``: callgrind)
+        args = [*prefix, sys.executable, str(ROOT / "bench" / "publisher.py"), name, url, queue]
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
                 args,

@@ -23,6 +23,9 @@ store of ``claims-sep``) drains a batch of no-op tasks, and this prints, per mes
   on prefork: what made two runs of the same code differ by 2 %). The main thread still
   includes its idle ``BRPOP`` timeouts: a few thousand instructions a message at these batch
   sizes. ``--no-callgrind`` skips it.
+- **producer instructions** (the same, of ``bench/publisher.py``'s process, every thread, over
+  the batch's publishes): what a publish costs its producer, the publish journal's write
+  included (``claims-sep``'s: a script call sent to the store of its own).
 
 ``--baseline TREE`` adds ``claims-base`` and ``claims-sep-base``: the same variants run from
 another checkout (``git worktree add TREE <commit>``), worker and producer, in the same run.
@@ -169,7 +172,14 @@ def measure(
         if "sep" in variant:
             clients["store"] = store
         queue = f"counts-{variant}-{pool}"
-        publisher = overhead.Publisher(url, variant, queue, logs / f"{queue}.producer.log")
+        prefix: tuple[str, ...] = ()
+        if callgrind:
+            out = logs / f"callgrind.{queue}.producer.%p"
+            prefix = (
+                "valgrind", "--tool=callgrind", "--separate-threads=yes",
+                f"--callgrind-out-file={out}",
+            )  # fmt: skip
+        publisher = overhead.Publisher(url, variant, queue, logs / f"{queue}.producer.log", prefix)
         try:
             with worker(variant, pool, url, queue, logs, callgrind) as proc:
                 log = logs / f"{queue}.log"
@@ -182,19 +192,28 @@ def measure(
                 start_log(clients, tasks)
                 if callgrind:
                     callgrind_control("-z", proc.pid)
+                    callgrind_control("-z", publisher.proc.pid)
                 overhead.run_batch(broker, publisher, variant, queue, "bench.noop", tasks, log=log)
                 time.sleep(SETTLE_S)
-                instructions = others = None
+                instructions = others = producer = None
                 if callgrind:
                     callgrind_control("-d", proc.pid)
                     main, rest = dumped_instructions(logs, queue, proc.pid)
                     instructions, others = main / tasks, rest / tasks
+                    callgrind_control("-d", publisher.proc.pid)
+                    dumped = dumped_instructions(logs, f"{queue}.producer", publisher.proc.pid)
+                    producer = sum(dumped) / tasks
                 commands = read_log(clients, tasks, shas)
         finally:
             publisher.close()
             for client in (broker, store):
                 client.close()
-    return {"commands": commands, "instructions": instructions, "others": others}
+    return {
+        "commands": commands,
+        "instructions": instructions,
+        "others": others,
+        "producer": producer,
+    }
 
 
 #: ``--pipe``: ``n`` claims and records through a ``StorePipe`` on a kombu hub, on the store at
@@ -297,18 +316,20 @@ def main() -> None:
             )
             ins = found["instructions"]
             shown = (
-                f"{ins / 1000:,.0f}k instr/msg main thread (+{found['others'] / 1000:,.0f}k others)"
+                f"{ins / 1000:,.0f}k instr/msg main thread (+{found['others'] / 1000:,.0f}k others"
+                f"; producer {found['producer'] / 1000:,.0f}k)"
                 if ins
                 else "no callgrind"
             )
             print(f"{pool:7} {variant:15} {shown}; {listed}", flush=True)
     print(
-        "\n| pool | variant | main thread instructions/msg | broker commands/msg "
+        "\n| pool | variant | main thread instructions/msg | producer instructions/msg "
+        "| broker commands/msg "
         "| broker scripts/msg | store commands/msg | store scripts/msg (journal_put) |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for pool, variant, found in rows:
-        cmds, ins = found["commands"], found["instructions"]
+        cmds, ins, producer = found["commands"], found["instructions"], found["producer"]
         broker, store = cmds["broker"], cmds.get("store")
         on_store = (
             f"{sum(store.values()):.2f} | {scripts(store):.2f} "
@@ -318,6 +339,7 @@ def main() -> None:
         )
         print(
             f"| {pool} | {variant} | {f'{ins / 1000:,.0f}k' if ins else '-'} | "
+            f"{f'{producer / 1000:,.0f}k' if producer else '-'} | "
             f"{sum(broker.values()):.2f} | {scripts(broker):.2f} | {on_store} |"
         )
 
