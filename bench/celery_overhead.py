@@ -17,10 +17,12 @@ round; each kind's batches of a round start after an untimed batch (the first ba
 change of pace ran up to 1.7x slower, whichever variant it was). Beside the time, the CPU each
 message cost (Linux schedstat): the worker's main process, its pool processes, the broker's
 redis-server, the producer (``bench/publisher.py``, a process of its own for every variant:
-all its threads, over the batch, as for the worker), and their sum, which on 2 busy cores is
-what the time follows, with less noise. Before the rounds, each producer publishes one task to
-a queue nobody consumes, and the keys it wrote for it are printed: which producers journal is
-shown, not assumed. Needs ``celery-once`` and ``celery-singleton`` (``pip install -e .[bench]``).
+all its threads, over the batch, as for the worker), the claim store's redis-server of the
+variants with a store apart (``-sep``: its every thread, so 0 for the others), and their sum,
+which on 2 busy cores is what the time follows, with less noise. Before the rounds, each
+producer publishes one task to a queue nobody consumes, and the keys it wrote for it are
+printed: which producers journal is shown, not assumed. Needs ``celery-once`` and
+``celery-singleton`` (``pip install -e .[bench]``).
 
 ``--baseline TREE`` adds the variants ``claims-base`` and ``claims-sep-base``: the ``claims``
 and ``claims-sep`` variants (the store on the broker, and on a server of its own) run from
@@ -75,6 +77,7 @@ VARIANTS = (
     "claims",
     "claims-nj",
     "claims-sep",
+    "claims-sep-nj",
     "claims-aoc",
     "once",
     "singleton",
@@ -116,10 +119,13 @@ class Publisher:
     variant's checkout, so that a ``-base`` variant publishes with the baseline's
     ``celery_claims`` (its journal included) and every producer's CPU is measured alike."""
 
-    def __init__(self, url: str, variant: str, queue: str, log: Path) -> None:
+    def __init__(
+        self, url: str, variant: str, queue: str, log: Path, prefix: tuple[str, ...] = ()
+    ) -> None:
         tree, name = checkout(variant)
         self.variant, self.log = variant, log
-        args = [sys.executable, str(ROOT / "bench" / "publisher.py"), name, url, queue]
+        # prefix: a command the producer runs under (``bench/counts.py``: callgrind)
+        args = [*prefix, sys.executable, str(ROOT / "bench" / "publisher.py"), name, url, queue]
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
                 args,
@@ -265,9 +271,12 @@ def _thread_cpu_ns(pid: int) -> int:
     return total
 
 
-def cpu_ns(main_pid: int, server_pid: int, producer_pid: int) -> tuple[int, int, int, int]:
+def cpu_ns(
+    main_pid: int, server_pid: int, producer_pid: int, store_pid: int | None
+) -> tuple[int, int, int, int, int]:
     """CPU time so far of a worker's main process, of its pool processes, of the broker's
-    ``redis-server`` and of the producer's process, in ns (Linux ``schedstat``: not sampled,
+    ``redis-server``, of the producer's process and of the claim store's ``redis-server``
+    (None: 0, a variant without a store apart), in ns (Linux ``schedstat``: not sampled,
     unaffected by waiting)."""
     try:
         text = Path(f"/proc/{main_pid}/task/{main_pid}/children").read_text()
@@ -279,6 +288,7 @@ def cpu_ns(main_pid: int, server_pid: int, producer_pid: int) -> tuple[int, int,
         pool,
         _thread_cpu_ns(server_pid),
         _thread_cpu_ns(producer_pid),
+        0 if store_pid is None else _thread_cpu_ns(store_pid),
     )
 
 
@@ -380,7 +390,7 @@ def main() -> None:
     # their batches run one at a time)
     calls: dict[tuple[str, str, str], list[float]] = {}
     # CPU µs per message of the worker's main process, its pool and the broker's server
-    cpus: dict[tuple[str, str, str], list[tuple[float, float, float]]] = {}
+    cpus: dict[tuple[str, str, str], list[tuple[float, ...]]] = {}
     with private_redis() as url, private_redis() as store_url:
         # the claim store of the claims-sep variant: a server of its own, as with RabbitMQ
         os.environ["BENCH_STORE_URL"] = store_url
@@ -388,6 +398,7 @@ def main() -> None:
         store = redis.Redis.from_url(store_url)
         server_info = client.info("server")
         server_pid = int(server_info["process_id"])
+        store_pid = int(store.info("server")["process_id"])
         server_name = "Valkey" if "valkey_version" in server_info else "Redis"
         version = server_info.get("valkey_version", server_info["redis_version"])
         print(f"server: {server_name} {version}, broker and claim stores", flush=True)
@@ -443,13 +454,18 @@ def main() -> None:
                             queue = f"bench-{variant}-{pool}"
                             log = logs / f"{queue}.log"
                             before = script_calls(store)
-                            pids = (procs[variant].pid, server_pid, publishers[variant].proc.pid)
+                            pids = (
+                                procs[variant].pid,
+                                server_pid,
+                                publishers[variant].proc.pid,
+                                store_pid if "sep" in variant else None,
+                            )
                             cpu_before = cpu_ns(*pids)
                             measured[variant] = run_batch(
                                 client, publishers[variant], variant, queue, task, tasks, log=log
                             )
                             cpu_after = cpu_ns(*pids)
-                            main_us, pool_us, server_us, producer_us = (
+                            main_us, pool_us, server_us, producer_us, store_us = (
                                 (b - a) / 1000 / tasks
                                 for a, b in zip(cpu_before, cpu_after, strict=True)
                             )
@@ -459,7 +475,8 @@ def main() -> None:
                                     pool_us,
                                     server_us,
                                     producer_us,
-                                    main_us + pool_us + server_us + producer_us,
+                                    store_us,
+                                    main_us + pool_us + server_us + producer_us + store_us,
                                 )
                             )
                             if variant == "ride0":
@@ -476,14 +493,15 @@ def main() -> None:
                             ratios.setdefault((pool, kind, variant), []).append(ratio)
                             per = calls.get((pool, kind, variant), [])
                             on_store = f"  {per[-1]:.2f} store script calls/msg" if per else ""
-                            main_us, pool_us, server_us, producer_us, total_us = cpus[
+                            main_us, pool_us, server_us, producer_us, store_us, total_us = cpus[
                                 (pool, kind, variant)
                             ][-1]
                             print(
                                 f"round {rnd + 1} {pool:7} {kind:4} {variant:9} {took:7.3f} s "
                                 f"{tasks / took:7.0f} tasks/s  x{ratio:.3f}  CPU us/msg main "
                                 f"{main_us:.0f} pool {pool_us:.0f} broker {server_us:.0f} "
-                                f"producer {producer_us:.0f} total {total_us:.0f}{on_store}",
+                                f"producer {producer_us:.0f} store {store_us:.0f} "
+                                f"total {total_us:.0f}{on_store}",
                                 flush=True,
                             )
             finally:
@@ -497,14 +515,15 @@ def main() -> None:
     print("store calls: EVALSHA on the separate claim store per message, median (a producer")
     print("that journals, above, makes one of them per message: its publish journal write)")
     print("CPU: µs per message of the worker's main process, its pool processes, the")
-    print("broker's redis-server, the producer's process (every thread, over the batch) and their")
+    print("broker's redis-server, the producer's process (every thread, over the batch), the")
+    print("claim store's redis-server (-sep variants) and their")
     print("sum (median of the rounds; x = against plain Celery's). On a machine whose cores")
     print("the batch keeps busy, the sum is what the time follows, with less noise")
     print(
         "| pool | tasks | variant | tasks/s (median) | ratio per round | median ratio "
-        "| CPU main | CPU pool | CPU broker | CPU producer | CPU total | store calls |"
+        "| CPU main | CPU pool | CPU broker | CPU producer | CPU store | CPU total | store calls |"
     )
-    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for pool in pools:
         for kind, _ in kinds:
             plain = cpus[(pool, kind, "plain")]

@@ -25,6 +25,9 @@ store of ``claims-sep``) drains a batch of no-op tasks, and this prints, per mes
   message on prefork: what made two runs of the same code differ by 2 %). The main thread
   still includes its idle ``BRPOP`` timeouts: a few thousand instructions a message at these
   batch sizes. ``--no-callgrind`` skips it.
+- **producer instructions** (the same, of ``bench/publisher.py``'s process, every thread, over
+  the batch's publishes): what a publish costs its producer, the publish journal's write
+  included (``claims-sep``'s: a script call sent to the store of its own).
 
 ``--baseline TREE`` adds ``claims-base`` and ``claims-sep-base`` (each where its variant is
 chosen): the same variants run from another checkout (``git worktree add TREE <commit>``),
@@ -187,7 +190,14 @@ def measure(
         if "sep" in variant:
             clients["store"] = store
         queue = f"counts-{variant}-{pool}"
-        publisher = overhead.Publisher(url, variant, queue, logs / f"{queue}.producer.log")
+        prefix: tuple[str, ...] = ()
+        if callgrind:
+            out = logs / f"callgrind.{queue}.producer.%p"
+            prefix = (
+                "valgrind", "--tool=callgrind", "--separate-threads=yes",
+                f"--callgrind-out-file={out}",
+            )  # fmt: skip
+        publisher = overhead.Publisher(url, variant, queue, logs / f"{queue}.producer.log", prefix)
         try:
             with worker(variant, pool, url, queue, logs, callgrind) as proc:
                 log = logs / f"{queue}.log"
@@ -200,11 +210,11 @@ def measure(
                 start_log(clients, tasks)
                 pool_pids = children(proc.pid) if callgrind else []
                 if callgrind:
-                    for pid in (proc.pid, *pool_pids):
+                    for pid in (proc.pid, *pool_pids, publisher.proc.pid):
                         callgrind_control("-z", pid)
                 overhead.run_batch(broker, publisher, variant, queue, "bench.noop", tasks, log=log)
                 time.sleep(SETTLE_S)
-                instructions = others = in_pool = None
+                instructions = others = in_pool = producer = None
                 if callgrind:
                     callgrind_control("-d", proc.pid)
                     main, rest = dumped_instructions(logs, queue, proc.pid)
@@ -214,12 +224,21 @@ def measure(
                             callgrind_control("-d", pid)
                         in_pool = sum(sum(dumped_instructions(logs, queue, p)) for p in pool_pids)
                         in_pool /= tasks
+                    callgrind_control("-d", publisher.proc.pid)
+                    dumped = dumped_instructions(logs, f"{queue}.producer", publisher.proc.pid)
+                    producer = sum(dumped) / tasks
                 commands = read_log(clients, tasks, shas)
         finally:
             publisher.close()
             for client in (broker, store):
                 client.close()
-    return {"commands": commands, "instructions": instructions, "others": others, "pool": in_pool}
+    return {
+        "commands": commands,
+        "instructions": instructions,
+        "others": others,
+        "pool": in_pool,
+        "producer": producer,
+    }
 
 
 #: ``--pipe``: ``n`` claims and records through a ``StorePipe`` on a kombu hub, on the store at
@@ -327,7 +346,8 @@ def main() -> None:
             )
             ins = found["instructions"]
             shown = (
-                f"{ins / 1000:,.0f}k instr/msg main thread (+{found['others'] / 1000:,.0f}k others)"
+                f"{ins / 1000:,.0f}k instr/msg main thread (+{found['others'] / 1000:,.0f}k others"
+                f"; producer {found['producer'] / 1000:,.0f}k)"
                 if ins
                 else "no callgrind"
             )
@@ -336,12 +356,12 @@ def main() -> None:
             print(f"{pool:7} {variant:15} {shown}; {listed}", flush=True)
     print(
         "\n| pool | variant | main thread instructions/msg | pool processes instructions/msg "
-        "| broker commands/msg | broker scripts/msg | store commands/msg "
-        "| store scripts/msg (journal_put) |"
+        "| producer instructions/msg | broker commands/msg | broker scripts/msg "
+        "| store commands/msg | store scripts/msg (journal_put) |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for pool, variant, found in rows:
-        cmds, ins = found["commands"], found["instructions"]
+        cmds, ins, producer = found["commands"], found["instructions"], found["producer"]
         broker, store = cmds["broker"], cmds.get("store")
         on_store = (
             f"{sum(store.values()):.2f} | {scripts(store):.2f} "
@@ -353,6 +373,7 @@ def main() -> None:
         print(
             f"| {pool} | {variant} | {f'{ins / 1000:,.0f}k' if ins else '-'} | "
             f"{f'{in_pool / 1000:,.0f}k' if in_pool is not None else '-'} | "
+            f"{f'{producer / 1000:,.0f}k' if producer else '-'} | "
             f"{sum(broker.values()):.2f} | {scripts(broker):.2f} | {on_store} |"
         )
 

@@ -10,10 +10,11 @@ that rides the broker's round trips can cost: kombu's delivery transaction carri
 claim script and its ack transaction a minimal completion script, in the worker's main process,
 no round trip of their own; see :class:`RideFloorQoS`), ``claims``
 (``celery_claims.install``, the claim store on the broker's server, the default),
-``claims-nj`` (``claims`` with the publish journal off), ``claims-aoc`` (``claims`` acking each
-message at claim, ``claims_ack_on_claim``), ``claims-sep`` (the same with the claim
-store on a server of its own, ``BENCH_STORE_URL``,
-as a fleet on RabbitMQ has it), ``once`` (celery-once's ``QueueOnce`` base) or ``singleton``
+``claims-nj`` (``claims`` with the publish journal off), ``claims-aoc`` (``claims`` acking
+each message at claim, ``claims_ack_on_claim``), ``claims-sep`` (the same with the claim
+store on a server of its own, ``BENCH_STORE_URL``, as a fleet on RabbitMQ has it),
+``claims-sep-nj`` (``claims-sep`` with the publish journal off: what the journal costs a
+store apart), ``once`` (celery-once's ``QueueOnce`` base) or ``singleton``
 (celery-singleton's ``Singleton`` base). ``BENCH_URL`` is the Redis used as broker and as
 every plugin's store; ``BENCH_QUEUE`` the queue; ``BENCH_PREFETCH`` the
 ``worker_prefetch_multiplier`` (1, what celery-claims recommends, unless given);
@@ -192,15 +193,15 @@ def build(variant: str, url: str, queue: str) -> Celery:
         app.steps["consumer"].add(TwoRoundTrips)
     elif variant == "ride0":
         app.steps["consumer"].add(RideFloor)
-    elif variant in ("claims", "claims-sep", "claims-nj", "claims-aoc"):
+    elif variant in ("claims", "claims-sep", "claims-nj", "claims-sep-nj", "claims-aoc"):
         from celery_claims.worker import install
 
         if variant == "claims-aoc":
             # acknowledged once claimed: one waited journal write per message, on the loop
             app.conf.claims_ack_on_claim = True
-        if variant == "claims-sep":
+        if variant in ("claims-sep", "claims-sep-nj"):
             app.conf.claims_redis_url = os.environ["BENCH_STORE_URL"]
-        if variant == "claims-nj":
+        if variant in ("claims-nj", "claims-sep-nj"):
             # the producer's publish journal off: what it costs the batch (one round trip per
             # publish, made by the producer, counted in the batch's time)
             app.conf.claims_journal = False

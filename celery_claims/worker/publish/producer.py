@@ -51,6 +51,11 @@ RETRY_AFTER_MAX_S = 30.0
 #: shorter): the publish has succeeded already, and a producer (a web request) must not wait
 #: the worker's timeout on a claim store that hangs.
 PRODUCER_TIMEOUT_MS = 500
+#: Journal write replies left waiting before a publish reads those that came: a producer
+#: publishing in a loop reads them in batches (one ``poll(2)`` and one ``recv(2)`` a batch,
+#: where reading each before the next write cost five system calls a publish); each write
+#: still leaves before its publish returns.
+READ_EVERY = 16
 
 
 @dataclass(eq=False)
@@ -152,7 +157,7 @@ class ProducerJournal:
         self._skip_until = 0.0
         self._retry_after_s = RETRY_AFTER_S / 2
         self._failing = False
-        self._sender = ScriptSender(self._replied)
+        self._sender = ScriptSender(self._replied, read_every=READ_EVERY)
         self._sender_wrapped = False
 
     def configure(self, settings: ClaimsSettings) -> None:

@@ -71,7 +71,7 @@ from celery_claims.claims.calls import MANY_MAX_CALLS, ScriptCall, many_call
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable, socket_of
 from celery_claims.errors import BackendError, BackendUnavailable, ClaimError
-from celery_claims.worker.transport.sender import pack_call, pack_commands
+from celery_claims.worker.transport.sender import pack_call, pack_commands, reply_there
 
 __all__ = ["ClusterPipe", "InlineStorePipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
 
@@ -460,7 +460,7 @@ class StorePipe:
         probe = True
         while sock is not None and self._sock is sock:
             try:
-                ready = _reply_there(
+                ready = reply_there(
                     self.connection, sock, self._poll, probe=probe, waiting=bool(self._pending)
                 )
             except (redis_errors.RedisError, OSError) as exc:
@@ -771,34 +771,9 @@ def _reply_within(connection: Any, sock: socket.socket, poll: Any, timeout_s: fl
     """True if a reply is there to read on ``connection`` (its socket ``sock``, registered in
     ``poll``, or None) within ``timeout_s``: one redis-py's parser holds already, or one that
     comes in the socket by then."""
-    if _reply_there(connection, sock, None, probe=False, waiting=True):
+    if reply_there(connection, sock, None, probe=False, waiting=True):
         return True
     timeout_s = max(timeout_s, 0.0)  # poll(2) with a negative timeout waits for ever
     if poll is not None:
         return bool(poll.poll(timeout_s * 1000.0))
     return bool(connection.can_read(timeout=timeout_s))
-
-
-def _reply_there(
-    connection: Any, sock: socket.socket, poll: Any, *, probe: bool, waiting: bool
-) -> bool:
-    """True if a reply (or the store's close) is there to read on ``connection`` (its socket
-    ``sock``, registered in ``poll``, or None): in the socket, if ``probe``, or held by
-    redis-py's parser (or by TLS). ``waiting``: calls wait for replies."""
-    polled = probe and waiting and poll is not None
-    if polled and poll.poll(0):
-        # one poll(2), where can_read sets the socket's timeout twice around a recv(2):
-        # read_response then reads what came (a store's close, too, ends it there)
-        return True
-    buffer = getattr(connection._parser, "_buffer", None)  # redis-py's Python parser
-    unread = getattr(buffer, "unread_bytes", None)
-    if unread is None:
-        # another parser (hiredis, which reads ahead): its can_read looks at what it
-        # holds first, then at the socket
-        return bool(connection.can_read(timeout=0))
-    if unread() or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
-        return True
-    if polled or not probe:
-        return False
-    # nothing asked for (or no poll): can_read raises if the store closed the connection
-    return bool(connection.can_read(timeout=0))

@@ -10,10 +10,12 @@ store's answer: a prefork pool process's completion record, sent ahead of the wo
 (``guard.py``), and a producer's publish journal entry, sent once the broker took the message
 (``journal.py``). Both go through a :class:`ScriptSender`: the command is written to the
 socket (into the kernel's send buffer, which is delivered even if the process exits right
-after) and the replies are read later, as they come, before each later send or by
-:meth:`ScriptSender.drain`; past ``max_unread`` of them, a send waits for the store to catch up
-(a store that stalls slows its senders down and loses none of their writes). Each reply is
-handed to the sender's ``on_reply``: the script's raw reply, or the error it ended with.
+after) and the replies are read later, as they come: before a later send (before every send,
+or once ``read_every`` of them wait: a producer publishing in a loop reads a batch of replies
+with one ``poll(2)`` and one ``recv(2)``) or by :meth:`ScriptSender.drain`; past
+``max_unread`` of them, a send waits for the store to catch up (a store that stalls slows its
+senders down and loses none of their writes). Each reply is handed to the sender's
+``on_reply``: the script's raw reply, or the error it ended with.
 
 Standalone stores only (:func:`usable`): a Sentinel or Cluster client chooses its server per
 command, so the callers go through the client there.
@@ -26,6 +28,7 @@ import functools
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 import weakref
@@ -40,7 +43,15 @@ from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import socket_of
 from celery_claims.errors import BackendUnavailable, InvalidArgument
 
-__all__ = ["ScriptCaller", "ScriptSender", "keep_calls", "pack_call", "pack_commands", "usable"]
+__all__ = [
+    "ScriptCaller",
+    "ScriptSender",
+    "keep_calls",
+    "pack_call",
+    "pack_commands",
+    "reply_there",
+    "usable",
+]
 
 
 #: ``select.poll``, or None where the process has none: eventlet's monkey patching deletes it
@@ -49,6 +60,10 @@ _POLL: Callable[[], Any] | None = getattr(select, "poll", None)
 
 #: How long a send waits for a backlog of replies on a connection without a socket timeout.
 CATCH_UP_TIMEOUT_S = 5.0
+
+#: A send after this long without one reads the replies that came first, however few: its
+#: failures are known, and its connection can be health-checked (a PING needs no reply waiting).
+IDLE_S = 1.0
 
 #: ``on_reply(reply, error)``: the script's raw reply and None, or None and the error.
 OnReply = Callable[[Any, BaseException | None], object]
@@ -72,6 +87,31 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def reply_there(
+    connection: Any, sock: socket.socket, poll: Any, *, probe: bool, waiting: bool
+) -> bool:
+    """True if a reply (or the store's close) is there to read on ``connection`` (its socket
+    ``sock``, registered in ``poll``, or None): in the socket, if ``probe``, or held by
+    redis-py's parser (or by TLS). ``waiting``: calls wait for replies."""
+    polled = probe and waiting and poll is not None
+    if polled and poll.poll(0):
+        # one poll(2), where can_read sets the socket's timeout twice around a recv(2):
+        # read_response then reads what came (a store's close, too, ends it there)
+        return True
+    buffer = getattr(connection._parser, "_buffer", None)  # redis-py's Python parser
+    unread = getattr(buffer, "unread_bytes", None)
+    if unread is None:
+        # another parser (hiredis, which reads ahead): its can_read looks at what it
+        # holds first, then at the socket
+        return bool(connection.can_read(timeout=0))
+    if unread() or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
+        return True
+    if polled or not probe:
+        return False
+    # nothing asked for (or no poll): can_read raises if the store closed the connection
+    return bool(connection.can_read(timeout=0))
 
 
 def usable(client: Any) -> bool:
@@ -197,6 +237,8 @@ class ScriptSender:
         max_unread: replies left unread after which a send waits for the store to catch up
             (back to half of it), for as long as the connection's socket timeout; a store
             that does not answer in that time went silent, and the connection is dropped.
+        read_every: replies waiting before a send reads those that came (1: before every
+            send); a send after :data:`IDLE_S` without one reads them however few wait.
     """
 
     def __init__(
@@ -204,9 +246,15 @@ class ScriptSender:
         on_reply: OnReply = _ignore,
         *,
         max_unread: int = 64,
+        read_every: int = 1,
     ) -> None:
         self.on_reply = on_reply
         self.max_unread = max_unread
+        self.read_every = read_every
+        self._sent_at = 0.0  # time.monotonic() of the last send
+        # a poll object with the connection's socket registered, and that socket (weakly)
+        self._poll: Any = None
+        self._polled: weakref.ref[socket.socket] | None = None
         self._lock = threading.Lock()
         self._conn: Any = None
         self._pool: Any = None  # the pool self._conn was made from
@@ -223,6 +271,7 @@ class ScriptSender:
         socket, are dropped (the socket is never written, nor closed, from here)."""
         self._lock = threading.Lock()
         self._conn, self._pid = None, os.getpid()
+        self._poll = self._polled = None
         self._waiting.clear()
         self._loaded.clear()
 
@@ -241,9 +290,14 @@ class ScriptSender:
         with self._lock:
             try:
                 conn = self._connection(client)
-                self._read_arrived(conn)
+                now = time.monotonic()
+                if len(self._waiting) >= self.read_every or now - self._sent_at > IDLE_S:
+                    self._read_arrived(conn)
+                self._sent_at = now
                 commands = _script_commands(call, self._loaded, conn)
-                conn.send_packed_command([b"".join(commands)])
+                # redis-py's health check (a PING on a connection idle for a while) would
+                # read a waiting call's reply as the PING's
+                conn.send_packed_command([b"".join(commands)], check_health=not self._waiting)
                 self._waiting.extend([None] * (len(commands) - 1) + [on_reply or self.on_reply])
                 if len(self._waiting) > self.max_unread:
                     self._catch_up(conn)
@@ -294,8 +348,26 @@ class ScriptSender:
             self._read_one(conn)
 
     def _read_arrived(self, conn: Any) -> None:
-        while self._waiting and conn.can_read(timeout=0):
+        """Read the replies that came, without waiting: one ``poll(2)``, then those
+        redis-py's parser holds after the first read."""
+        sock = socket_of(conn)
+        probe = True
+        while self._waiting and sock is not None:
+            if not reply_there(conn, sock, self._poll_of(sock), probe=probe, waiting=True):
+                return
             self._read_one(conn)
+            probe = False
+
+    def _poll_of(self, sock: socket.socket) -> Any:
+        """A poll object with ``sock`` registered (None without ``select.poll``)."""
+        polled = self._polled
+        if _POLL is not None and (polled is None or polled() is not sock):
+            # one of its own per socket: a closed socket cannot be unregistered, and its
+            # number may be reused by another file
+            self._poll = _POLL()
+            self._poll.register(sock, select.POLLIN)
+            self._polled = weakref.ref(sock)
+        return self._poll
 
     def _read_one(self, conn: Any) -> None:
         on_reply = self._waiting.popleft()
@@ -313,6 +385,7 @@ class ScriptSender:
 
     def _reset(self, why: BaseException) -> None:
         conn, self._conn = self._conn, None
+        self._poll = self._polled = None
         waiting = [on_reply for on_reply in self._waiting if on_reply is not None]
         self._waiting.clear()
         self._loaded.clear()
