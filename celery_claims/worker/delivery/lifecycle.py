@@ -489,21 +489,28 @@ class Lifecycle:
 
 def _announce_claim(copy: Copy, result: Success | TookOver) -> None:
     """Log a takeover, and send ``claim_acquired`` for a granted claim."""
-    previous = result.previous_owner if isinstance(result, TookOver) else None
-    if isinstance(result, TookOver):
+    took_over = isinstance(result, TookOver)
+    previous = result.previous_owner if took_over else None
+    if took_over:
         logger.info(
             "Claim %s: took over from %s (instance %d)", copy.claim_id, previous, copy.instance
         )
-    if not signals.claim_acquired.receivers:
-        return  # nobody listens (the task history is off): no arguments built per message
     key = copy.key
+    # a keyed copy that was held until now gets its key (`claims key`)
+    waited_key = key.field if key is not None and copy.hold_reason else ""
+    if took_over or waited_key:
+        if not signals.claim_acquired.receivers:
+            return
+    elif not signals.plain_acquisition_heard():
+        # a plain acquisition: sent only where a receiver acts on it (the task history, by
+        # default, acts on takeovers and waited keys alone): no arguments built per message
+        return
     signals.claim_acquired.send(
         sender=copy.request.task,
         request=copy.request,
         token=copy.token,
-        took_over=isinstance(result, TookOver),
+        took_over=took_over,
         previous_owner=previous,
         claim_id=copy.claim_id,
-        # a keyed copy that was held until now gets its key (`claims key`)
-        waited_key=key.field if key is not None and copy.hold_reason else "",
+        waited_key=waited_key,
     )
