@@ -56,16 +56,16 @@ def time_limit_of(
     except (TypeError, ValueError):
         soft_msg, hard_msg = None, None
     soft_default, hard_default = worker_limits
-    hard = (
-        _seconds(hard_msg) or _seconds(getattr(task, "time_limit", None)) or _seconds(hard_default)
-    )
-    if hard is not None:
-        return hard  # the soft limit is read only where there is no hard one
-    return (
-        _seconds(soft_msg)
-        or _seconds(getattr(task, "soft_time_limit", None))
-        or _seconds(soft_default)
-    )
+    hard_task = getattr(task, "time_limit", None)
+    # most tasks have no limit at all: None is no limit, without a call to _seconds
+    if hard_msg is not None or hard_task is not None or hard_default is not None:
+        hard = _seconds(hard_msg) or _seconds(hard_task) or _seconds(hard_default)
+        if hard is not None:
+            return hard  # the soft limit is read only where there is no hard one
+    soft_task = getattr(task, "soft_time_limit", None)
+    if soft_msg is None and soft_task is None and soft_default is None:
+        return None
+    return _seconds(soft_msg) or _seconds(soft_task) or _seconds(soft_default)
 
 
 def acks_on_claim(task: Any, settings: ClaimsSettings) -> bool:

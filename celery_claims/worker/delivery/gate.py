@@ -138,39 +138,31 @@ class ClaimGate:
 
     def __call__(self, request: Any) -> Any:
         """The wrapped ``on_task_request``."""
-        if is_exempt(request.task, request.name):
+        task, name = request.task, request.name
+        if is_exempt(task, name):
             return self.inner(request)
-        self._loop_thread = threading.get_ident()
-        self.life.on_loop()
-        pre = self._pre.pop(getattr(request.message, "delivery_tag", None), None)
-        # Celery hands each delivery to the gate within kombu's delivery call, so any other
-        # pre-claim left belongs to a message Celery dropped
-        self._drop_leftovers()
-        if pre is not None and pre.reply is not _NO_REPLY and not isinstance(pre.reply, Exception):
-            copy = self.life.receive(
-                request,
-                owner=pre.owner,
-                queue_id=pre.queue_id,
-                task_key=pre.task_key,
-                lease_ms=pre.lease_ms,
-                guarded=is_guarded(request.task),
-                run=pre.run,
-            )
-            # no key to make (claim_for sends no claim for such a task): made there already
-            copy.rate_limits = pre.rate_limits
-            self._settle(copy, pre.outcome())
-            return None
+        self._loop_thread = self.life.on_loop()
+        if self._pre:
+            pre = self._pre.pop(getattr(request.message, "delivery_tag", None), None)
+            # Celery hands each delivery to the gate within kombu's delivery call, so any
+            # other pre-claim left belongs to a message Celery dropped
+            self._drop_leftovers()
+            if pre is not None and pre.reply is not _NO_REPLY:
+                if not isinstance(pre.reply, Exception):
+                    self._preclaimed(request, pre)
+                    return None
         # no claim rode kombu's write (or it failed there): claimed here under a new owner
         try:
             queue_id = self.queues.queue_of(request.delivery_info)
-            task_key = _task_key(request.id, request_fields(request))
+            fields = request_fields(request)
+            task_key = _task_key(request.id, fields)
         except Exception:
             # unreadable routing or attempt: never run unclaimed; the message stays unacked
             # and the broker redelivers it
-            logger.exception("Claim gate cannot read %s[%s]", request.name, request.id)
+            logger.exception("Claim gate cannot read %s[%s]", name, request.id)
             return None
         # a canvas part's owner names its run, so its completion record does (runs.py)
-        run = run_of(request_fields(request))
+        run = run_of(fields)
         owner = with_run(new_owner(self.runtime.hostname), run)
         lanes = self.runtime.lanes
         try:
@@ -187,8 +179,8 @@ class ClaimGate:
             owner=owner if key is None else key.owner(owner),
             queue_id=queue_id if key is None else key.claim_queue,
             task_key=task_key if key is None else key.field,
-            lease_ms=self._lease_ms(request.name, request.task),
-            guarded=is_guarded(request.task),
+            lease_ms=self._lease_ms(name, task),
+            guarded=is_guarded(task),
             key=key,
             lane_key=lane_key,
             run=run,
@@ -196,6 +188,21 @@ class ClaimGate:
         copy.rate_limits = rate_limits
         self._claim(copy)
         return None
+
+    def _preclaimed(self, request: Any, pre: _Preclaim) -> None:
+        """A request whose claim rode kombu's delivery transaction, its reply in."""
+        copy = self.life.receive(
+            request,
+            owner=pre.owner,
+            queue_id=pre.queue_id,
+            task_key=pre.task_key,
+            lease_ms=pre.lease_ms,
+            guarded=is_guarded(request.task),
+            run=pre.run,
+        )
+        # no key to make (claim_for sends no claim for such a task): made there already
+        copy.rate_limits = pre.rate_limits
+        self._settle(copy, pre.outcome())
 
     def _key_of(self, request: Any, queue_id: str, task_key: str, owner: str) -> KeyedClaim | None:
         """The keyed claim of ``request`` (None for a task without ``claims_key``).

@@ -194,16 +194,18 @@ class Lifecycle:
         self.w.waker.attach(self.w.consumer)
         self.rates.resume()
 
-    def on_loop(self) -> None:
-        """The caller is the consumer's event loop (the gate calls this for each message)."""
-        self.w.loop_thread = threading.get_ident()
+    def on_loop(self) -> int:
+        """The caller is the consumer's event loop (the gate calls this for each message);
+        returns the loop's thread's ident."""
+        self.w.loop_thread = ident = threading.get_ident()
         if self._loop_bound:
-            return  # bound since the consumer (re)started: nothing changed since
+            return ident  # bound since the consumer (re)started: nothing changed since
         self.w.waker.attach(self.w.consumer)
         qos, window = prefetch_qos(self.w.consumer)
         if self.w.slots.qos is not qos:
             self.w.slots.bind(qos, window, self.valve)
         self._loop_bound = True
+        return ident
 
     # --- the gate's outcomes ----------------------------------------------------------------
 
