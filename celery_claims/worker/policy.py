@@ -56,16 +56,19 @@ def time_limit_of(
     except (TypeError, ValueError):
         soft_msg, hard_msg = None, None
     soft_default, hard_default = worker_limits
-    hard_task = getattr(task, "time_limit", None)
-    # most tasks have no limit at all: None is no limit, without a call to _seconds
-    if hard_msg is not None or hard_task is not None or hard_default is not None:
-        hard = _seconds(hard_msg) or _seconds(hard_task) or _seconds(hard_default)
-        if hard is not None:
-            return hard  # the soft limit is read only where there is no hard one
-    soft_task = getattr(task, "soft_time_limit", None)
-    if soft_msg is None and soft_task is None and soft_default is None:
-        return None
-    return _seconds(soft_msg) or _seconds(soft_task) or _seconds(soft_default)
+    hard = _first_seconds(hard_msg, getattr(task, "time_limit", None), hard_default)
+    if hard is not None:
+        return hard  # the soft limit is read only where there is no hard one
+    return _first_seconds(soft_msg, getattr(task, "soft_time_limit", None), soft_default)
+
+
+def _first_seconds(message: object, task: object, worker: object) -> float | None:
+    """The first of the three limits that is one, in seconds (``None`` is none: most are)."""
+    if message is not None and (seconds := _seconds(message)) is not None:
+        return seconds
+    if task is not None and (seconds := _seconds(task)) is not None:
+        return seconds
+    return None if worker is None else _seconds(worker)
 
 
 def acks_on_claim(task: Any, settings: ClaimsSettings) -> bool:
