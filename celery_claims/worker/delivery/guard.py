@@ -454,8 +454,9 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
             _check(task, claim, verifier, "failed", f"failed ({type(exc).__name__})", exc)
             raise
         if request.callbacks or request.chain or request.chord or request.group:
-            # a canvas part (_is_canvas_part, inline: asked for every body): recorded after the trace has sent and reported what other tasks wait on, which
-            # are of this copy's run (both at task_postrun)
+            # a canvas part (_is_canvas_part, inline: asked for every body): recorded after
+            # the trace has sent and reported what other tasks wait on, which are of this
+            # copy's run (both at task_postrun)
             _check(task, claim, verifier, "unreported", "finished")
             runs.inherit(owner_run(claim.owner))
             _after_trace.pending = (request.id, claim, verifier)

@@ -492,7 +492,7 @@ class Lifecycle:
 def _announce_claim(copy: Copy, result: Success | TookOver) -> None:
     """Log a takeover, and send ``claim_acquired`` for a granted claim."""
     took_over = isinstance(result, TookOver)
-    previous = result.previous_owner if took_over else None
+    previous = result.previous_owner if isinstance(result, TookOver) else None
     if took_over:
         logger.info(
             "Claim %s: took over from %s (instance %d)", copy.claim_id, previous, copy.instance
