@@ -42,6 +42,7 @@ __all__ = [
     "requeued",
     "result_ready",
     "revoke_unrun",
+    "task_queues",
     "task_ready",
     "unwrap_exception",
     "wrap_send_task",
@@ -315,6 +316,20 @@ def revoke_unrun(request: Any, reason: str) -> None:
         request=getattr(request, "_context", None),
         store_result=getattr(request, "store_errors", True),
     )
+
+
+def task_queues(app: Any) -> Any:
+    """``app.amqp.queues``, the app's task queues, read where Celery keeps them.
+
+    ``Celery.amqp`` and ``AMQP.queues`` are kombu ``cached_property``s: data descriptors
+    that take a lock on every read, which the gate makes for every message. Their values are
+    kept in the instances' ``__dict__`` once read (set there by the property's setter too,
+    removed by its deleter): read there, else through the properties. Read in Celery 5.3 to
+    5.7, kombu 5.3 to 5.7 (``kombu/utils/objects.py``).
+    """
+    amqp = app.__dict__.get("amqp")
+    queues = amqp.__dict__.get("queues") if amqp is not None else None
+    return app.amqp.queues if queues is None else queues
 
 
 def request_fields(request: Any) -> Mapping[str, Any]:

@@ -321,6 +321,8 @@ def connect_history(*, record_acquired: bool = False, ttl_ms: int = DEFAULT_HIST
     with _connect_lock:
         _options.record_acquired = bool(record_acquired)
         _options.ttl_ms = ttl_ms
+        # without record_acquired, a plain acquisition posts nothing: it is not even sent
+        signals.hears_takeovers_only(_on_acquired, not record_acquired)
         if _connected.get("history"):
             return
         # weak=False: the receivers are module functions, but be explicit that they stay

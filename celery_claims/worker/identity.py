@@ -21,6 +21,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from celery_claims.worker.compat import task_queues
+
 __all__ = ["Attempt", "QueueResolver", "attempt_of", "claim_task_id", "new_owner"]
 
 
@@ -70,11 +72,13 @@ def new_owner(hostname: str) -> str:
     store writes an owner's part up to its last ``.`` once per queue and keeps only the
     counter in each claim and completion record (see ``claims/keys.py``).
     """
-    return f"{hostname}/{os.getpid()}/{_nonce[0]}.{next(_nonce[1]):x}"
+    prefix, counter = _nonce
+    return f"{hostname}/{prefix}{next(counter):x}"
 
 
 def _fresh_nonce() -> tuple[str, Iterator[int]]:
-    return uuid.uuid4().hex[:8], itertools.count()
+    """``<pid>/<nonce>.`` of this process, and its counter."""
+    return f"{os.getpid()}/{uuid.uuid4().hex[:8]}.", itertools.count()
 
 
 _nonce = _fresh_nonce()
@@ -106,7 +110,7 @@ class QueueResolver:
         self._size = -1
 
     def _rebuild(self) -> None:
-        queues = self.app.amqp.queues
+        queues = task_queues(self.app)
         by_route: dict[tuple[str, str], str] = {}
         by_key: dict[str, str] = {}
         for name, queue in sorted(queues.items()):
@@ -126,7 +130,7 @@ class QueueResolver:
         info = delivery_info or {}
         exchange = str(info.get("exchange") or "")
         key = str(info.get("routing_key") or "")
-        if len(self.app.amqp.queues) != self._size:
+        if len(task_queues(self.app)) != self._size:
             self._rebuild()
         name = self._by_route.get((exchange, key)) or self._by_key.get(key)
         if name is not None:

@@ -56,16 +56,19 @@ def time_limit_of(
     except (TypeError, ValueError):
         soft_msg, hard_msg = None, None
     soft_default, hard_default = worker_limits
-    hard = (
-        _seconds(hard_msg) or _seconds(getattr(task, "time_limit", None)) or _seconds(hard_default)
-    )
+    hard = _first_seconds(hard_msg, getattr(task, "time_limit", None), hard_default)
     if hard is not None:
         return hard  # the soft limit is read only where there is no hard one
-    return (
-        _seconds(soft_msg)
-        or _seconds(getattr(task, "soft_time_limit", None))
-        or _seconds(soft_default)
-    )
+    return _first_seconds(soft_msg, getattr(task, "soft_time_limit", None), soft_default)
+
+
+def _first_seconds(message: object, task: object, worker: object) -> float | None:
+    """The first of the three limits that is one, in seconds (``None`` is none: most are)."""
+    if message is not None and (seconds := _seconds(message)) is not None:
+        return seconds
+    if task is not None and (seconds := _seconds(task)) is not None:
+        return seconds
+    return None if worker is None else _seconds(worker)
 
 
 def acks_on_claim(task: Any, settings: ClaimsSettings) -> bool:

@@ -15,7 +15,9 @@ __all__ = [
     "Counters",
     "claim_acquired",
     "claim_released",
+    "hears_takeovers_only",
     "lane_slot",
+    "plain_acquisition_heard",
     "lease_lost",
     "task_held",
     "rate_passed",
@@ -67,6 +69,32 @@ claim_acquired = Signal(name="celery_claims.claim_acquired")
 #: A running task's lease was lost (the keeper's renewal was refused): the request is fenced,
 #: its success will not be recorded as done. Arguments: ``request``, ``token``, ``error``.
 lease_lost = Signal(name="celery_claims.lease_lost")
+
+
+#: Receivers of :data:`claim_acquired` that act only on a takeover or a waited key, never on a
+#: plain acquisition (the task history's, unless it records every acquisition), by ``id``
+#: (a dead weak reference cannot be hashed): a plain acquisition that only they would hear is
+#: not sent (:func:`plain_acquisition_heard`).
+_takeovers_only: dict[int, object] = {}
+
+
+def hears_takeovers_only(receiver: object, only: bool) -> None:
+    """Say whether ``receiver`` (connected strongly to :data:`claim_acquired`) acts only on a
+    takeover or a waited key (``only``), or on every acquisition."""
+    if only:
+        _takeovers_only[id(receiver)] = receiver
+    else:
+        _takeovers_only.pop(id(receiver), None)
+
+
+def plain_acquisition_heard() -> bool:
+    """True if a receiver of :data:`claim_acquired` may act on a plain acquisition (a claim
+    neither taken over nor waited for on its key): any receiver but those of
+    :func:`hears_takeovers_only`, a weakly connected one included."""
+    for _, receiver in claim_acquired.receivers:  # noqa: SIM110  (no generator a message)
+        if id(receiver) not in _takeovers_only:
+            return True
+    return False
 
 
 class Counters:

@@ -17,9 +17,13 @@ from celery_claims.worker.transport.broker import Delivery
 __all__ = ["Copy"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, init=False)
 class Copy:
     """One delivered copy of a task message, from the gate until it ends.
+
+    Made once per message: its ``__init__`` sets what the gate knows of it, every other field
+    reads its default from the class until it is first set (a dataclass's own ``__init__``
+    set all thirty).
 
     Attributes:
         request: the worker's ``Request``.
@@ -102,6 +106,35 @@ class Copy:
     acked_at_claim: bool = False
     run: int | None = None
 
+    def __init__(
+        self,
+        request: Any,
+        owner: str,
+        queue_id: str,
+        task_key: str,
+        lease_ms: int,
+        guarded: bool,
+        delivery: Delivery | None = None,
+        key: KeyedClaim | None = None,
+        lane_key: str = "",
+        run: int | None = None,
+        **others: Any,
+    ) -> None:
+        self.request = request
+        self.owner = owner
+        self.queue_id = queue_id
+        self.task_key = task_key
+        self.lease_ms = lease_ms
+        self.guarded = guarded
+        self.delivery = delivery
+        self.key = key
+        self.lane_key = lane_key
+        self.run = run
+        for name, value in others.items():
+            if name not in _FIELDS:
+                raise TypeError(f"Copy() got an unexpected keyword argument {name!r}")
+            setattr(self, name, value)
+
     @property
     def claim_id(self) -> str:
         """``queue/task:retries:nesting``, for logs."""
@@ -116,3 +149,7 @@ class Copy:
     def fenced(self) -> bool:
         """True once it is known stale: its outcome is never recorded."""
         return bool(self.stale_why)
+
+
+#: The fields :class:`Copy` takes as keywords.
+_FIELDS = frozenset(Copy.__dataclass_fields__)

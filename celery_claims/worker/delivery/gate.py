@@ -61,6 +61,7 @@ from celery_claims.worker.identity import (
 from celery_claims.worker.policy import is_exempt, time_limit_of
 from celery_claims.worker.publish.runs import run_of
 from celery_claims.worker.runtime import ClaimsRuntime
+from celery_claims.worker.settings import ClaimsSettings
 from celery_claims.worker.transport.broker import BrokerRide
 from celery_claims.worker.transport.pipe import Pipe, consumer_pipe
 
@@ -106,6 +107,29 @@ class _Preclaim:
             return exc
 
 
+class _Leases:
+    """Each task's claim lease: its ``claims_lease_ms``, else the worker's (read once a task)."""
+
+    def __init__(self, settings: ClaimsSettings) -> None:
+        self.settings = settings
+        self._by_name: dict[str, int] = {}
+
+    def of(self, name: str, task: Any) -> int:
+        lease = self._by_name.get(name)
+        if lease is None:
+            lease = self.settings.lease_ms
+            raw = getattr(task, "claims_lease_ms", None)
+            if raw is not None:
+                try:
+                    lease = self.settings.check_task_lease(name, raw)
+                except InvalidArgument as exc:
+                    # tasks registered after start were not validated then; a bad value must
+                    # not stop the worker, so the default lease applies
+                    logger.error("%s; using claims_lease_ms=%d", exc, lease)
+            self._by_name[name] = lease
+        return lease
+
+
 class ClaimGate:
     """Claims each request before the pool runs it (see the module docstring).
 
@@ -122,7 +146,7 @@ class ClaimGate:
         self.inner = inner
         self.settings = runtime.settings
         self.queues = QueueResolver(consumer.app)
-        self._leases: dict[str, int] = {}
+        self.leases = _Leases(self.settings)
         self._loop_thread = -1
         self._pipe: Pipe | None = None
         self._pipe_checked = False
@@ -138,39 +162,24 @@ class ClaimGate:
 
     def __call__(self, request: Any) -> Any:
         """The wrapped ``on_task_request``."""
-        if is_exempt(request.task, request.name):
+        task, name = request.task, request.name
+        if is_exempt(task, name):
             return self.inner(request)
-        self._loop_thread = threading.get_ident()
-        self.life.on_loop()
-        pre = self._pre.pop(getattr(request.message, "delivery_tag", None), None)
-        # Celery hands each delivery to the gate within kombu's delivery call, so any other
-        # pre-claim left belongs to a message Celery dropped
-        self._drop_leftovers()
-        if pre is not None and pre.reply is not _NO_REPLY and not isinstance(pre.reply, Exception):
-            copy = self.life.receive(
-                request,
-                owner=pre.owner,
-                queue_id=pre.queue_id,
-                task_key=pre.task_key,
-                lease_ms=pre.lease_ms,
-                guarded=is_guarded(request.task),
-                run=pre.run,
-            )
-            # no key to make (claim_for sends no claim for such a task): made there already
-            copy.rate_limits = pre.rate_limits
-            self._settle(copy, pre.outcome())
+        self._loop_thread = self.life.on_loop()
+        if self._pre and self._preclaimed(request):
             return None
         # no claim rode kombu's write (or it failed there): claimed here under a new owner
         try:
             queue_id = self.queues.queue_of(request.delivery_info)
-            task_key = _task_key(request.id, request_fields(request))
+            fields = request_fields(request)
+            task_key = _task_key(request.id, fields)
         except Exception:
             # unreadable routing or attempt: never run unclaimed; the message stays unacked
             # and the broker redelivers it
-            logger.exception("Claim gate cannot read %s[%s]", request.name, request.id)
+            logger.exception("Claim gate cannot read %s[%s]", name, request.id)
             return None
         # a canvas part's owner names its run, so its completion record does (runs.py)
-        run = run_of(request_fields(request))
+        run = run_of(fields)
         owner = with_run(new_owner(self.runtime.hostname), run)
         lanes = self.runtime.lanes
         try:
@@ -187,8 +196,8 @@ class ClaimGate:
             owner=owner if key is None else key.owner(owner),
             queue_id=queue_id if key is None else key.claim_queue,
             task_key=task_key if key is None else key.field,
-            lease_ms=self._lease_ms(request.name, request.task),
-            guarded=is_guarded(request.task),
+            lease_ms=self.leases.of(name, task),
+            guarded=is_guarded(task),
             key=key,
             lane_key=lane_key,
             run=run,
@@ -196,6 +205,29 @@ class ClaimGate:
         copy.rate_limits = rate_limits
         self._claim(copy)
         return None
+
+    def _preclaimed(self, request: Any) -> bool:
+        """Decide ``request`` by the claim that rode kombu's delivery transaction; False
+        where none did, or it failed there."""
+        pre = self._pre.pop(getattr(request.message, "delivery_tag", None), None)
+        # Celery hands each delivery to the gate within kombu's delivery call, so any other
+        # pre-claim left belongs to a message Celery dropped
+        self._drop_leftovers()
+        if pre is None or pre.reply is _NO_REPLY or isinstance(pre.reply, Exception):
+            return False
+        copy = self.life.receive(
+            request,
+            owner=pre.owner,
+            queue_id=pre.queue_id,
+            task_key=pre.task_key,
+            lease_ms=pre.lease_ms,
+            guarded=is_guarded(request.task),
+            run=pre.run,
+        )
+        # no key to make (claim_for sends no claim for such a task): made there already
+        copy.rate_limits = pre.rate_limits
+        self._settle(copy, pre.outcome())
+        return True
 
     def _key_of(self, request: Any, queue_id: str, task_key: str, owner: str) -> KeyedClaim | None:
         """The keyed claim of ``request`` (None for a task without ``claims_key``).
@@ -234,21 +266,6 @@ class ClaimGate:
             hub, solo = getattr(self.consumer, "hub", None), self.runtime.pool_name == "solo"
             self._pipe = consumer_pipe(self.runtime.manager, hub, inline=solo)
         return self._pipe
-
-    def _lease_ms(self, name: str, task: Any) -> int:
-        lease = self._leases.get(name)
-        if lease is None:
-            lease = self.settings.lease_ms
-            raw = getattr(task, "claims_lease_ms", None)
-            if raw is not None:
-                try:
-                    lease = self.settings.check_task_lease(name, raw)
-                except InvalidArgument as exc:
-                    # tasks registered after start were not validated then; a bad value must
-                    # not stop the worker, so the default lease applies
-                    logger.error("%s; using claims_lease_ms=%d", exc, lease)
-            self._leases[name] = lease
-        return lease
 
     def _claim_call(
         self,
@@ -306,7 +323,7 @@ class ClaimGate:
                 and not self._fleet_rated(task, name)
             ):
                 return None  # it reaches the gate from Celery's token bucket
-            lease_ms = self._lease_ms(name, task)
+            lease_ms = self.leases.of(name, task)
             queue_id = self.queues.queue_of(message.delivery_info)
             lanes = self.runtime.lanes
             lane = lanes.lane_of(queue_id, name) if lanes is not None else None

@@ -239,18 +239,11 @@ class _Verifier:
 
     def leaves_record_to_ack(self, task: Any, request: Any, claim: TaskClaim) -> bool:
         """True if the worker's ack will write this attempt's record (module docstring);
-        ``request``: the task's ``self.request``."""
+        ``request``: the task's ``self.request``, not a canvas part's (its caller checked)."""
         return (
             self.ack_records
             and _surely_held(claim)
-            and nothing_after_body(
-                task,
-                callbacks=request.callbacks,
-                chain=request.chain,
-                chord=request.chord,
-                group=request.group,
-                ignore_result=getattr(request, "ignore_result", False),
-            )
+            and _quiet_after_body(task, getattr(request, "ignore_result", False))
         )
 
     def send_record(self, claim: TaskClaim) -> None:
@@ -401,9 +394,14 @@ def nothing_after_body(
     dict, the same fields) answer alike: where this is True the pool process leaves the
     record to the worker, which writes it before the ack.
     """
-    if _is_canvas_part(callbacks, chain, chord, group) or not task.acks_late:
-        return False
-    if type(task).on_success is not Task.on_success:
+    return not _is_canvas_part(callbacks, chain, chord, group) and _quiet_after_body(
+        task, ignore_result
+    )
+
+
+def _quiet_after_body(task: Any, ignore_result: Any) -> bool:
+    """:func:`nothing_after_body` for a copy that is no canvas part."""
+    if not task.acks_late or type(task).on_success is not Task.on_success:
         return False
     return bool(task.ignore_result or ignore_result or isinstance(task.backend, DisabledBackend))
 
@@ -413,14 +411,10 @@ def records_left_to_worker(request: Any) -> bool:
     completion record to the worker, when its lease cannot have run out (and may have, if
     it could: the worker then writes it again, which is harmless)."""
     fields = request_fields(request)
-    return nothing_after_body(
-        request.task,
-        callbacks=fields.get("callbacks"),
-        chain=fields.get("chain"),
-        chord=fields.get("chord"),
-        group=fields.get("group"),
-        ignore_result=fields.get("ignore_result", False),
-    )
+    get = fields.get
+    if get("callbacks") or get("chain") or get("chord") or get("group"):
+        return False  # a canvas part (_is_canvas_part, inline: asked for every message)
+    return _quiet_after_body(request.task, fields.get("ignore_result", False))
 
 
 def _is_canvas_part(callbacks: Any, chain: Any, chord: Any, group: Any) -> bool:
@@ -459,9 +453,10 @@ def _guarded_run(run: Any, task: Any, verifier: _Verifier) -> Any:
         except Exception as exc:
             _check(task, claim, verifier, "failed", f"failed ({type(exc).__name__})", exc)
             raise
-        if _is_canvas_part(request.callbacks, request.chain, request.chord, request.group):
-            # recorded after the trace has sent and reported what other tasks wait on, which
-            # are of this copy's run (both at task_postrun)
+        if request.callbacks or request.chain or request.chord or request.group:
+            # a canvas part (_is_canvas_part, inline: asked for every body): recorded after
+            # the trace has sent and reported what other tasks wait on, which are of this
+            # copy's run (both at task_postrun)
             _check(task, claim, verifier, "unreported", "finished")
             runs.inherit(owner_run(claim.owner))
             _after_trace.pending = (request.id, claim, verifier)

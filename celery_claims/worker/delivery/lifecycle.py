@@ -194,16 +194,18 @@ class Lifecycle:
         self.w.waker.attach(self.w.consumer)
         self.rates.resume()
 
-    def on_loop(self) -> None:
-        """The caller is the consumer's event loop (the gate calls this for each message)."""
-        self.w.loop_thread = threading.get_ident()
+    def on_loop(self) -> int:
+        """The caller is the consumer's event loop (the gate calls this for each message);
+        returns the loop's thread's ident."""
+        self.w.loop_thread = ident = threading.get_ident()
         if self._loop_bound:
-            return  # bound since the consumer (re)started: nothing changed since
+            return ident  # bound since the consumer (re)started: nothing changed since
         self.w.waker.attach(self.w.consumer)
         qos, window = prefetch_qos(self.w.consumer)
         if self.w.slots.qos is not qos:
             self.w.slots.bind(qos, window, self.valve)
         self._loop_bound = True
+        return ident
 
     # --- the gate's outcomes ----------------------------------------------------------------
 
@@ -489,21 +491,28 @@ class Lifecycle:
 
 def _announce_claim(copy: Copy, result: Success | TookOver) -> None:
     """Log a takeover, and send ``claim_acquired`` for a granted claim."""
+    took_over = isinstance(result, TookOver)
     previous = result.previous_owner if isinstance(result, TookOver) else None
-    if isinstance(result, TookOver):
+    if took_over:
         logger.info(
             "Claim %s: took over from %s (instance %d)", copy.claim_id, previous, copy.instance
         )
-    if not signals.claim_acquired.receivers:
-        return  # nobody listens (the task history is off): no arguments built per message
     key = copy.key
+    # a keyed copy that was held until now gets its key (`claims key`)
+    waited_key = key.field if key is not None and copy.hold_reason else ""
+    if took_over or waited_key:
+        if not signals.claim_acquired.receivers:
+            return
+    elif not signals.plain_acquisition_heard():
+        # a plain acquisition: sent only where a receiver acts on it (the task history, by
+        # default, acts on takeovers and waited keys alone): no arguments built per message
+        return
     signals.claim_acquired.send(
         sender=copy.request.task,
         request=copy.request,
         token=copy.token,
-        took_over=isinstance(result, TookOver),
+        took_over=took_over,
         previous_owner=previous,
         claim_id=copy.claim_id,
-        # a keyed copy that was held until now gets its key (`claims key`)
-        waited_key=key.field if key is not None and copy.hold_reason else "",
+        waited_key=waited_key,
     )

@@ -135,6 +135,10 @@ class SlotLedger:
     def take_back(self, copy: Copy) -> None:
         """Take the slot given back for ``copy`` (if any) again; a queue closed for its rate
         waits opens again once no more than a window of them waits."""
+        if id(copy) not in self._given and id(copy) not in self._rated:
+            # nothing given back for it (most copies): decided as under the lock, where a
+            # give-back racing this call is found or not alike (a look-up is atomic)
+            return
         with self._lock:
             queue = self._rated.pop(id(copy), None)
             given = id(copy) in self._given
