@@ -271,7 +271,25 @@ def profile_pool_processes(path: str) -> None:
     worker_process_shutdown.connect(_stop, weak=False)
 
 
+def name_threads() -> None:
+    """Give each Python thread its name in the kernel (``prctl(PR_SET_NAME)``), as
+    ``/proc/PID/task/*/status`` shows it (``BENCH_THREAD_NAMES``: ``bench/switches.py``)."""
+    import ctypes
+    import threading
+
+    libc = ctypes.CDLL(None)
+    inner = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def named(self: threading.Thread) -> None:
+        libc.prctl(15, self.name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        inner(self)
+
+    threading.Thread._bootstrap_inner = named  # type: ignore[attr-defined]
+
+
 if "BENCH_URL" in os.environ and "BENCH_VARIANT" in os.environ:
+    if os.environ.get("BENCH_THREAD_NAMES"):
+        name_threads()
     if os.environ.get("BENCH_TRACE"):
         import bench.trace_path  # noqa: F401  # a message's path as timestamps
     if os.environ.get("BENCH_PROFILE"):
