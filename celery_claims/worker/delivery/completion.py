@@ -47,7 +47,7 @@ class Completion:
         self.riding: dict[Any, tuple[Copy, BrokerRide]] = {}
         #: the copies whose record the store could not take (``COMPLETING``, their ack
         #: waiting for it), by ``id``: the keeper retries them between its beats, at
-        #: ``claims_unavailable_retry_ms`` doubling (:meth:`unwritten`)
+        #: ``claims_unavailable_retry_ms`` doubling (:meth:`retry_unwritten`)
         self.unwritten: dict[int, Copy] = {}
 
     def pool_settle(self, copy: Copy) -> tuple[str, str, str] | None:
@@ -229,7 +229,7 @@ class Completion:
                 raise unreachable
             found = self._record_done(copy)
         except ClaimError as exc:
-            # unreachable, or refusing the write (an error reply: OOM at maxmemory, BUSY):
+            # unreachable, or refusing the write (an error reply: NOREPLICAS, BUSY):
             # keep renewing it and retry from the keeper; the attempt is done, and a
             # duplicate must not take the claim over while the record cannot be written.
             # Celery's handler (the ack) waits for the record: on the Redis broker a copy
