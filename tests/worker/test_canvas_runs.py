@@ -104,6 +104,30 @@ def test_a_reapplied_frozen_chord_runs_its_header_and_body_again(app: Celery, ru
     assert sorted(runs.of("add")) == [(1, 2), (1, 2), (3, 4), (3, 4)]
 
 
+def test_a_reapplied_frozen_group_runs_its_members_link_callbacks_again(
+    app: Celery, runs: Runs
+) -> None:
+    # Given a group whose member has a link callback (sent by the member's trace as a message
+    # of its own: no group header, no chain, as a chord's body on Celery 5.3), all frozen once
+    # (the callback's id fixed too), applied and finished
+    add, echo = app.tasks["t.add"], app.tasks["t.echo"]
+    member, callback = add.s(1, 2), echo.s()
+    callback.freeze()
+    member.link(callback)
+    canvas = group(member, add.s(3, 4))
+    canvas.freeze()
+    with in_process_worker(app):
+        assert canvas.apply_async().get(timeout=TIMEOUT) == [3, 7]
+        wait_for(lambda: len(runs.of("echo")) == 1, timeout=TIMEOUT, what="the callback")
+
+        # When it is applied again
+        canvas.apply_async()
+
+        # Then the callback runs again with its member: it is of the member's new run
+        wait_for(lambda: len(runs.of("echo")) == 2, timeout=TIMEOUT, what="the callback again")
+    assert sorted(runs.of("add")) == [(1, 2), (1, 2), (3, 4), (3, 4)]
+
+
 def test_a_reapplied_frozen_chain_runs_every_step_again(app: Celery, runs: Runs) -> None:
     # Given a chain of three steps, frozen once, applied and finished
     add, echo = app.tasks["t.add"], app.tasks["t.echo"]

@@ -17,9 +17,11 @@ runs).
 
 The next steps a canvas part's trace sends after its body returned (a chain's next step, a
 chord's body sent by its last part, callbacks) are of the part's own run, not a new one
-(:func:`inherit`): a part that runs again after a crash (its completion is recorded after
-Celery's trace) sends copies of the steps its first run sent, which are turned away as done
-or held, where a new run would make every later step run again. A part of no run (its
+(:func:`inherit`), whatever their headers: a link callback has no group header and is no chain
+step, nor is a chord's body on Celery 5.3 (5.7 freezes it with the chord's group id). A part
+that runs again after a crash (its completion is recorded after Celery's trace) sends copies
+of the steps its first run sent, which are turned away as done or held, where a new run would
+make every later step run again. A part of no run (its
 producer gives none: celery-claims is not installed there) sends steps of no run.
 """
 
@@ -95,11 +97,16 @@ def stamp(headers: Any, body: Any) -> None:
     publish journal's capture, then this module's receiver) keeps the first's, and a retry
     that copies its request's headers stays in its run (a new attempt of it). A step sent by
     a part's trace after its body is of that part's run (:func:`inherit`)."""
-    if isinstance(headers, dict) and RUN_HEADER not in headers and is_canvas_part(headers, body):
-        if not getattr(_inherited, "active", False):
-            headers[RUN_HEADER] = format_run(_next_run())
-        elif _inherited.run is not None:
+    if not isinstance(headers, dict) or RUN_HEADER in headers:
+        return
+    if getattr(_inherited, "active", False):
+        # every message a part's trace sends after its body is a next step of the canvas,
+        # whatever its headers say: a link callback, and a chord's body on Celery 5.3 (sent
+        # with no group header), carry no mark of one
+        if _inherited.run is not None:
             headers[RUN_HEADER] = format_run(_inherited.run)
+    elif is_canvas_part(headers, body):
+        headers[RUN_HEADER] = format_run(_next_run())
 
 
 def _stamp(sender: Any = None, body: Any = None, headers: Any = None, **_: Any) -> None:
