@@ -11,6 +11,9 @@ import uuid
 from typing import Any
 
 import pytest
+from kombu.exceptions import EncodeError
+from kombu.serialization import dumps as serialize
+from kombu.serialization import registry
 from kombu.utils import json as kombu_json
 
 from celery_claims.worker.identity import attempt_of, claim_task_id
@@ -130,3 +133,63 @@ def test_a_canvas_part_is_a_group_member_a_chords_part_or_a_chain_step(
     headers: dict[str, Any], body: Any, part: bool
 ) -> None:
     assert is_canvas_part(headers, body) is part
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        ((1, "ü"), {"k": 2.5}, EMBED),
+        ((datetime.datetime(2026, 12, 7, tzinfo=UTC), uuid.UUID(int=3)), {}, EMBED),
+        ([b"\xff", decimal.Decimal("2.5")], {}, None),
+    ],
+)
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+def test_an_envelopes_body_is_the_message_serialized_as_kombus_producer_serializes_it(
+    body: Any, serializer: str
+) -> None:
+    # Given a body of JSON's values or of kombu's own types
+    # When its envelope is made
+    env = Envelope.of(
+        body=body, serializer=serializer, headers={"task": "t", "id": "i"}, exchange=None,
+        routing_key=None, properties=None,
+    )  # fmt: skip
+
+    # Then its body, content type and encoding are kombu's, and it equals one built field by
+    # field
+    content_type, content_encoding, data = serialize(body, serializer=serializer)
+    expected = data.encode(content_encoding) if isinstance(data, str) else data
+    assert (env.body, env.content_type, env.content_encoding) == (
+        expected,
+        content_type,
+        content_encoding,
+    )
+    assert env == Envelope(
+        task="t", task_id="i", headers={"task": "t", "id": "i"}, body=expected,
+        content_type=content_type, content_encoding=content_encoding, exchange="",
+        routing_key="", properties={},
+    )  # fmt: skip
+
+
+def test_an_envelope_uses_the_json_encoder_registered_in_kombus_place() -> None:
+    # Given kombu's json replaced in its registry by an encoder of the application's
+    def shout(value: Any) -> str:
+        return str(kombu_json.dumps(value)).upper()
+
+    registry.register("json", shout, kombu_json.loads, "application/json", "utf-8")
+    try:
+        # When an envelope is made, Then its body is that encoder's
+        env = Envelope.of(
+            body=(("a",), {}, EMBED), serializer="json", headers={"task": "t", "id": "i"},
+            exchange="", routing_key="q", properties={},
+        )  # fmt: skip
+        assert env.body.startswith(b'[["A"], {}')
+    finally:
+        registry.register("json", kombu_json.dumps, kombu_json.loads, "application/json", "utf-8")
+
+
+def test_a_body_kombu_cannot_serialize_raises_kombus_encode_error() -> None:
+    with pytest.raises(EncodeError):
+        Envelope.of(
+            body=((object(),), {}, EMBED), serializer="json", headers={"task": "t", "id": "i"},
+            exchange="", routing_key="q", properties={},
+        )  # fmt: skip
