@@ -58,11 +58,11 @@ PRODUCER_TIMEOUT_MS = 500
 READ_EVERY = 16
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Capture:
     """What one ``send_task`` call of a journaling app publishes (set in a context var)."""
 
-    app: Any
+    journal: ProducerJournal
     serializer: str | None
     envelope: Envelope | None = None
     error: Exception | None = None
@@ -95,7 +95,7 @@ def _on_before_publish(
         return  # not a journaling app's publish, or a nested one already captured
     try:
         name = str(sender)
-        task = capture.app.tasks.get(name)
+        task = capture.journal.task(name)
         if is_exempt(task, name):
             capture.exempt = True
             return
@@ -105,7 +105,7 @@ def _on_before_publish(
         serializer = (
             capture.serializer
             or getattr(task, "serializer", None)
-            or capture.app.conf.task_serializer
+            or capture.journal.app.conf.task_serializer
         )
         capture.envelope = Envelope.of(
             body=body,
@@ -159,6 +159,7 @@ class ProducerJournal:
         self._failing = False
         self._sender = ScriptSender(self._replied, read_every=READ_EVERY)
         self._sender_wrapped = False
+        self._tasks: Any = None  # app.tasks, once read (each read of it takes a lock)
 
     def configure(self, settings: ClaimsSettings) -> None:
         """Journal with ``settings`` from now on: a worker's own, command-line options
@@ -216,7 +217,7 @@ class ProducerJournal:
         if not self._sender_wrapped:
             self._sender_wrapped = True
             wrap_task_sender(self.app, self._on_producer)
-        capture = _Capture(self.app, kwargs.get("serializer"))
+        capture = _Capture(self, kwargs.get("serializer"))
         token = _publishing.set(capture)
         try:
             result = send_task(*args, **kwargs)
@@ -225,6 +226,13 @@ class ProducerJournal:
         if not capture.exempt and not capture.journaled:
             self._write(capture)
         return result
+
+    def task(self, name: str) -> Any:
+        """The app's task ``name``, or None (read in the publish: it finalizes the app)."""
+        tasks = self._tasks
+        if tasks is None:
+            tasks = self._tasks = self.app.tasks
+        return tasks.get(name)
 
     def _on_producer(self, producer: Any) -> None:
         """Before a task message goes out on ``producer``: where its channel is the Redis
@@ -244,7 +252,7 @@ class ProducerJournal:
         capture = _publishing.get()
         if (
             capture is None
-            or capture.app is not self.app
+            or capture.journal is not self
             or capture.journaled
             or capture.exempt
             or capture.envelope is None

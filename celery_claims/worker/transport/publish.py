@@ -1,4 +1,5 @@
-"""The publish journal's write riding kombu's own ``LPUSH`` on the Redis broker.
+"""The publish journal's write riding kombu's own ``LPUSH`` on the Redis broker, and the
+kombu serializer its envelope may skip.
 
 Replaces a producer channel's ``_put`` on its instance (kombu's Redis ``Channel._put``); read
 in kombu 5.3 to 5.7 (:data:`celery_claims.worker.compat.TESTED`).
@@ -12,6 +13,7 @@ from typing import Any
 
 import redis
 from celery.utils.log import get_logger
+from kombu.serialization import registry
 from kombu.utils import json
 
 from celery_claims.claims.calls import ScriptCall
@@ -19,9 +21,25 @@ from celery_claims.connection import server_of
 from celery_claims.worker.compat import close_with
 from celery_claims.worker.transport.sender import ScriptCaller
 
-__all__ = ["PublishRide", "PublishRideFn"]
+__all__ = ["PublishRide", "PublishRideFn", "kombu_json_codec"]
 
 logger = get_logger("celery_claims.worker")
+
+
+def kombu_json_codec(serializer: str | None) -> tuple[str, str] | None:
+    """``serializer``'s content type and encoding where kombu's registry encodes it with
+    kombu's own JSON encoder (``kombu.utils.json.dumps``: its ``json``, unless replaced),
+    else None. kombu's registry keeps its codecs in ``_encoders`` (name -> ``codec``
+    namedtuple of content type, encoding, encoder); read in kombu 5.3 to 5.7
+    (``kombu/serialization.py``), and None wherever it reads otherwise."""
+    encoders = getattr(registry, "_encoders", None)
+    codec = encoders.get(serializer) if isinstance(encoders, dict) and serializer else None
+    if codec is None or getattr(codec, "encoder", None) is not json.dumps:
+        return None
+    content_type, content_encoding = codec.content_type, codec.content_encoding
+    if not isinstance(content_type, str) or not isinstance(content_encoding, str):
+        return None
+    return content_type, content_encoding
 
 
 #: ``ride(queue, list_key, payload)``: the journal write to send with a publish to ``queue``'s
