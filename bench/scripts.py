@@ -29,7 +29,9 @@ connection (``sender.ScriptCaller``, what the worker uses), through redis-py's c
 
 ``--callgrind``: exact counts instead of times. Each variant gets a fresh private
 ``redis-server`` (``--hz 1``: few timer runs among the calls) under ``valgrind
---tool=callgrind``, its scripts loaded, 50 messages run first; then the server's instructions
+--tool=callgrind``, its scripts loaded, 400 messages journaled and claimed, half of them
+completed (the queue's hashes past their listpack sizes, as after a while in a worker's
+queue: a listpack is scanned at each lookup); then the server's instructions
 (``callgrind_control -z`` before and ``-d`` after each run of ``--ops`` calls, network and
 command parsing included) per call of the producer's publish-journal entry riding its push
 (``journal_put.lua`` with the queue's list), the gate's claim and the completion that acks
@@ -313,6 +315,10 @@ def main() -> None:
 # --- exact counts: the server under callgrind (--callgrind) ----------------------------------
 
 
+#: Messages run before the counted ones (see count_scripts).
+_WARM = 400
+
+
 class CallgrindServer:
     """A private ``redis-server`` under callgrind: instructions of runs of calls."""
 
@@ -381,8 +387,8 @@ class MessageCalls:
             assert reply[0] == 1, reply
             self.instances.append(reply[1])
 
-    def ack_done(self) -> None:
-        for i, task in enumerate(self.ids):
+    def ack_done(self, count: int | None = None) -> None:
+        for i, task in enumerate(self.ids[:count]):
             owner, tag = f"{OWNER_HEAD}{i:x}", self.first_tag + i
             args = [task, owner, self.instances[i], DONE_TTL_MS, "", tag]
             reply = self.loaded["ack_done"](keys=ACK_KEYS, args=args)
@@ -401,9 +407,13 @@ def count_scripts(scripts: dict[str, str], ops: int) -> dict[str, float]:
         loaded = {name: client.register_script(source) for name, source in scripts.items()}
         for script in loaded.values():
             client.script_load(script.script)
-        client.hset("unacked", mapping={str(i): "m" for i in range(ops + 50)})
-        for run in MessageCalls(loaded, task_ids(50, "warm"), ops).phases().values():
-            run()
+        client.hset("unacked", mapping={str(i): "m" for i in range(ops + _WARM)})
+        # the queue's hashes past their listpack sizes (a scan per lookup), as a worker's
+        # queue after a while: WARM messages journaled and claimed, half of them completed
+        warm = MessageCalls(loaded, task_ids(_WARM, "warm"), ops)
+        warm.journal_put()
+        warm.claim()
+        warm.ack_done(_WARM // 2)
         calls = MessageCalls(loaded, task_ids(ops), 0)
         return {name: server.per_call(run, ops) for name, run in calls.phases().items()}
 
@@ -422,7 +432,7 @@ def count_ride0(ops: int) -> dict[str, float]:
 
             return calls
 
-        warm = task_ids(50, "warm")
+        warm = task_ids(_WARM, "warm")
         run(claim, warm, [LEASE_MS])()
         run(done, warm, [])()
         ids = task_ids(ops)

@@ -1,4 +1,6 @@
 -- Shared preamble, prepended to every script. The stored formats are described in keys.py.
+-- Numbers sent to redis.call go as strings ('1', not 1) where they are constants: Redis
+-- formats a Lua number argument with snprintf('%.17g'), some 1,500 instructions each.
 
 -- The caller's time when it sent one (ARGV "now" not empty), else the server's clock:
 -- one clock for every worker, whatever their own clocks say.
@@ -68,10 +70,10 @@ local function owner_ref(owners_key, owner)
   end
   local id = redis.call('HGET', owners_key, 'h' .. head)
   if not id then
-    id = b36(redis.call('HINCRBY', owners_key, '#', 1))
+    id = b36(redis.call('HINCRBY', owners_key, '#', '1'))
     redis.call('HSET', owners_key, 'h' .. head, id, 'i' .. id, head)
   end
-  redis.call('HINCRBY', owners_key, 'r' .. id, 1)
+  redis.call('HINCRBY', owners_key, 'r' .. id, '1')
   return id, tail
 end
 
@@ -80,7 +82,7 @@ local function owner_unref(owners_key, id)
   if id == nil or id == '0' then
     return
   end
-  if redis.call('HINCRBY', owners_key, 'r' .. id, -1) <= 0 then
+  if redis.call('HINCRBY', owners_key, 'r' .. id, '-1') <= 0 then
     local head = redis.call('HGET', owners_key, 'i' .. id)
     redis.call('HDEL', owners_key, 'r' .. id, 'i' .. id)
     if head then
@@ -210,6 +212,9 @@ end
 -- with a key retention also to the key's field (an idempotency key). Returns the task key
 -- and the retention, or nil for a plain owner.
 local function keyed_owner(owner)
+  if not string.find(owner, '~k', 1, true) then
+    return nil, 0 -- most owners: one plain search instead of a pattern tried at each byte
+  end
   local escaped, ttl = string.match(owner, '~k([^~]*)~(%d+)$')
   if escaped == nil then
     return nil, 0
@@ -253,7 +258,7 @@ local function release_claim(k, task, owner, instance, record_ttl, now_arg)
     return status
   end
   redis.call('HDEL', k[1], task)
-  redis.call('HINCRBY', k[2], 'acks', 1)
+  redis.call('HINCRBY', k[2], 'acks', '1')
   local ttl = 0
   if record_ttl ~= '' then
     ttl = tonumber(record_ttl)
@@ -270,7 +275,7 @@ local function release_claim(k, task, owner, instance, record_ttl, now_arg)
     if key_ttl > 0 then
       -- the key's own record holds a reference of its own to the owner's head
       if e.oid ~= '0' then
-        redis.call('HINCRBY', k[4], 'r' .. e.oid, 1)
+        redis.call('HINCRBY', k[4], 'r' .. e.oid, '1')
       end
       put_record(k[3], k[4], task, {kind = 7, number = e.instance, at = now,
         until_ms = now + key_ttl, oid = e.oid, tail = e.tail})

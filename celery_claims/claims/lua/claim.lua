@@ -25,7 +25,7 @@
 --          {8 GIVEN_UP, takeovers, given_up_at, previous owner}
 local now = now_ms(ARGV[4])
 -- attempts are counted first, whatever the outcome (the Rust AtomicClaimManager's order)
-redis.call('HINCRBY', KEYS[3], 'attempts', 1)
+redis.call('HINCRBY', KEYS[3], 'attempts', '1')
 
 if ARGV[5] ~= '0' then
   local run = nil
@@ -34,12 +34,8 @@ if ARGV[5] ~= '0' then
   end
   -- a keyed claim (ARGV[1] a key, the owner naming its attempt): the attempt's own record
   -- first (a copy of a finished attempt), then the key's (a key kept done for a while)
-  local fields = {ARGV[1]}
-  local task_key = keyed_owner(ARGV[2])
-  if task_key then
-    fields = {task_key, ARGV[1]}
-  end
-  for _, field in ipairs(fields) do
+  local field = keyed_owner(ARGV[2]) or ARGV[1]
+  while field do
     local raw = redis.call('HGET', KEYS[4], field)
     if raw then
       local r = parse_record(raw)
@@ -53,6 +49,7 @@ if ARGV[5] ~= '0' then
         end
       end
     end
+    field = field ~= ARGV[1] and ARGV[1] or nil -- (no table of fields to walk: its cost)
   end
 end
 
@@ -65,7 +62,7 @@ if raw then
   -- the same owner re-claims whether expired or not; only another owner is judged by expiry
   if holder ~= ARGV[2] then
     if now < e.expires then
-      redis.call('HINCRBY', KEYS[3], 'contentions', 1)
+      redis.call('HINCRBY', KEYS[3], 'contentions', '1')
       return {2, holder, e.expires}
     end
     previous = holder
@@ -118,8 +115,8 @@ else
 end
 redis.call('HSET', KEYS[1], ARGV[1], format_entry(entry))
 if previous ~= '' then
-  redis.call('HINCRBY', KEYS[3], 'takeovers', 1)
+  redis.call('HINCRBY', KEYS[3], 'takeovers', '1')
   return {3, instance, now, entry.expires, previous}
 end
-redis.call('HINCRBY', KEYS[3], 'successes', 1)
+redis.call('HINCRBY', KEYS[3], 'successes', '1')
 return {1, instance, now, entry.expires, ''}
