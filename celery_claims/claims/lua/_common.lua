@@ -9,7 +9,8 @@ local function now_ms(sent)
     return tonumber(sent)
   end
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local us = tonumber(t[2])
+  return tonumber(t[1]) * 1000 + (us - us % 1000) / 1000 -- (math.floor: a call, dearer)
 end
 
 local function fmt(n)
@@ -17,27 +18,65 @@ local function fmt(n)
 end
 
 -- Numbers are stored in base 36 (an epoch in ms takes 8 characters instead of 13); exact
--- below 2^53, like every number a script handles. Two digits a step, each pair made by one
--- string.char: a digit a step with string.sub and table.concat cost twice the time, and the
--- numbers of an entry were the largest part of a claim's script time (docs/benchmarks.md).
+-- below 2^53, like every number a script handles. Up to 8 digits (36^8 ms: past 2059) are
+-- made by one string.char call: a call or a string a digit (or a pair) cost twice the time,
+-- and the numbers of an entry were the largest part of a claim's script time
+-- (bench/scripts.py --callgrind). '0'..'9' are bytes 48..57, 'a'..'z' 97..122.
 local function b36(n)
   if n < 0 then
     return '-' .. b36(-n)
   end
-  n = math.floor(n)
-  local low = n % 36
-  n = (n - low) / 36
-  -- '0'..'9' are bytes 48..57, 'a'..'z' 97..122
+  n = n - n % 1 -- math.floor(n) without a call
+  local a = n % 36
+  n = (n - a) / 36
+  a = a + (a < 10 and 48 or 87)
   if n == 0 then
-    return string.char(low + (low < 10 and 48 or 87))
+    return string.char(a)
   end
-  local high = n % 36
-  n = (n - high) / 36
-  local pair = string.char(high + (high < 10 and 48 or 87), low + (low < 10 and 48 or 87))
+  local b = n % 36
+  n = (n - b) / 36
+  b = b + (b < 10 and 48 or 87)
   if n == 0 then
-    return pair
+    return string.char(b, a)
   end
-  return b36(n) .. pair
+  local c = n % 36
+  n = (n - c) / 36
+  c = c + (c < 10 and 48 or 87)
+  if n == 0 then
+    return string.char(c, b, a)
+  end
+  local d = n % 36
+  n = (n - d) / 36
+  d = d + (d < 10 and 48 or 87)
+  if n == 0 then
+    return string.char(d, c, b, a)
+  end
+  local e = n % 36
+  n = (n - e) / 36
+  e = e + (e < 10 and 48 or 87)
+  if n == 0 then
+    return string.char(e, d, c, b, a)
+  end
+  local f = n % 36
+  n = (n - f) / 36
+  f = f + (f < 10 and 48 or 87)
+  if n == 0 then
+    return string.char(f, e, d, c, b, a)
+  end
+  local g = n % 36
+  n = (n - g) / 36
+  g = g + (g < 10 and 48 or 87)
+  if n == 0 then
+    return string.char(g, f, e, d, c, b, a)
+  end
+  local h = n % 36
+  n = (n - h) / 36
+  h = h + (h < 10 and 48 or 87)
+  local low = string.char(h, g, f, e, d, c, b, a)
+  if n == 0 then
+    return low
+  end
+  return b36(n) .. low
 end
 
 local function n36(text)
@@ -124,9 +163,10 @@ local function parse_entry(raw)
   local i, c, l, t, u, o, tail = string.match(
     raw, '^(%w+),(%-?%w+),(%w+),(%w+)(%??),(%w+),(.*)$')
   if i then
+    -- (only the created time can be negative: the others need no n36)
     local created = n36(c)
-    return {instance = n36(i), created = created, expires = created + n36(l),
-            takeovers = n36(t), unstarted = u == '?', oid = o, tail = tail}
+    return {instance = tonumber(i, 36), created = created, expires = created + tonumber(l, 36),
+            takeovers = tonumber(t, 36), unstarted = u == '?', oid = o, tail = tail}
   end
   local li, lc, le, lo = string.match(raw, '^(%d+):(%d+):(%d+):(.*)$')
   return {instance = tonumber(li), created = tonumber(lc), expires = tonumber(le),
@@ -134,12 +174,15 @@ local function parse_entry(raw)
 end
 
 local function format_entry(e)
-  local unstarted = ''
+  local takeovers = '0' -- (most entries': no b36 call)
+  if e.takeovers ~= 0 then
+    takeovers = b36(e.takeovers)
+  end
   if e.unstarted then
-    unstarted = '?'
+    takeovers = takeovers .. '?'
   end
   return b36(e.instance) .. ',' .. b36(e.created) .. ',' .. b36(e.expires - e.created) .. ','
-    .. b36(e.takeovers) .. unstarted .. ',' .. e.oid .. ',' .. e.tail
+    .. takeovers .. ',' .. e.oid .. ',' .. e.tail
 end
 
 -- --- completion records: "instance,done_at,retention,owner id,owner tail" (done, 7) or ------
@@ -152,13 +195,13 @@ local function parse_record(raw)
   local i, a, u, rest = string.match(raw, '^(%w+),(%-?%w+),(%w+),(.*)$')
   if i then
     local at = n36(a)
-    local r = {at = at, until_ms = at + n36(u)}
+    local r = {at = at, until_ms = at + tonumber(u, 36)}
     if i == '0' then
       local t, o, tail = string.match(rest, '^(%w+),(%w+),(.*)$')
-      r.kind, r.number, r.oid, r.tail = 8, n36(t), o, tail
+      r.kind, r.number, r.oid, r.tail = 8, tonumber(t, 36), o, tail
     else
       local o, tail = string.match(rest, '^(%w+),(.*)$')
-      r.kind, r.number, r.oid, r.tail = 7, n36(i), o, tail
+      r.kind, r.number, r.oid, r.tail = 7, tonumber(i, 36), o, tail
     end
     return r
   end
@@ -188,11 +231,13 @@ end
 -- Write a task's record; the record it replaces (past its retention, not yet purged) gives
 -- back its owner reference. The new record brings a reference of its own.
 local function put_record(records_key, owners_key, task, r)
-  local old = redis.call('HGET', records_key, task)
-  if old then
-    owner_unref(owners_key, parse_record(old).oid)
+  local raw = format_record(r)
+  -- most tasks have no record yet: one write, no read first
+  if redis.call('HSETNX', records_key, task, raw) == 1 then
+    return
   end
-  redis.call('HSET', records_key, task, format_record(r))
+  owner_unref(owners_key, parse_record(redis.call('HGET', records_key, task)).oid)
+  redis.call('HSET', records_key, task, raw)
 end
 
 -- A completion kept for no time still replaces the task's earlier record: there is none after.
