@@ -185,6 +185,16 @@ local function format_entry(e)
     .. takeovers .. ',' .. e.oid .. ',' .. e.tail
 end
 
+-- The part of an entry a release reads (instance, owner id and tail; an entry of the earlier
+-- format: parse_entry's whole): parse_entry's very pattern, three captures of seven, no times.
+local function parse_holder(raw)
+  local i, o, tail = string.match(raw, '^(%w+),%-?%w+,%w+,%w+%??,(%w+),(.*)$')
+  if i then
+    return {instance = tonumber(i, 36), oid = o, tail = tail}
+  end
+  return parse_entry(raw)
+end
+
 -- --- completion records: "instance,done_at,retention,owner id,owner tail" (done, 7) or ------
 -- "0,given_up_at,retention,takeovers,owner id,owner tail" (given up as poison, 8: instance 0
 -- is never issued); retention = until - done_at. The earlier formats
@@ -216,22 +226,18 @@ local function parse_record(raw)
   return r
 end
 
-local function format_record(r)
-  local head = b36(r.number)
-  if r.kind == 8 then
-    head = '0'
+-- (the fields as arguments, not a table: a table made for each record cost more than its use)
+local function format_record(kind, number, at, until_ms, oid, tail)
+  if kind == 8 then
+    return '0,' .. b36(at) .. ',' .. b36(until_ms - at) .. ',' .. b36(number) .. ',' .. oid .. ','
+      .. tail
   end
-  head = head .. ',' .. b36(r.at) .. ',' .. b36(r.until_ms - r.at) .. ','
-  if r.kind == 8 then
-    head = head .. b36(r.number) .. ','
-  end
-  return head .. r.oid .. ',' .. r.tail
+  return b36(number) .. ',' .. b36(at) .. ',' .. b36(until_ms - at) .. ',' .. oid .. ',' .. tail
 end
 
--- Write a task's record; the record it replaces (past its retention, not yet purged) gives
--- back its owner reference. The new record brings a reference of its own.
-local function put_record(records_key, owners_key, task, r)
-  local raw = format_record(r)
+-- Write a task's record (raw: format_record's); the record it replaces (past its retention,
+-- not yet purged) gives back its owner reference. The new record brings a reference of its own.
+local function put_record(records_key, owners_key, task, raw)
   -- most tasks have no record yet: one write, no read first
   if redis.call('HSETNX', records_key, task, raw) == 1 then
     return
@@ -278,13 +284,14 @@ end
 
 -- The claim a token refers to, checked in the Rust AtomicClaimManager's order: not found (4), then another
 -- instance (5: stale), then another owner (6). Returns status 1 and the parsed entry when the
--- token holds the claim. Expiry is not checked (release and extend ignore it).
-local function check_token(claims_key, owners_key, task, owner, instance)
+-- token holds the claim (parsed by parse, default parse_entry). Expiry is not checked (release
+-- and extend ignore it).
+local function check_token(claims_key, owners_key, task, owner, instance, parse)
   local raw = redis.call('HGET', claims_key, task)
   if not raw then
     return 4
   end
-  local e = parse_entry(raw)
+  local e = (parse or parse_entry)(raw)
   if e.instance ~= tonumber(instance) then
     return 5
   end
@@ -298,7 +305,7 @@ end
 -- completion record too. k = the queue's {claims, stats, records, owners} keys (release.lua's
 -- KEYS[1..4]). Returns 1 (released) or check_token's refusal.
 local function release_claim(k, task, owner, instance, record_ttl, now_arg)
-  local status, e = check_token(k[1], k[4], task, owner, instance)
+  local status, e = check_token(k[1], k[4], task, owner, instance, parse_holder)
   if status ~= 1 then
     return status
   end
@@ -315,15 +322,15 @@ local function release_claim(k, task, owner, instance, record_ttl, now_arg)
     -- clock; the claim's owner reference passes to the record
     own(k[4], e)
     local task_key, key_ttl = keyed_owner(owner)
-    put_record(k[3], k[4], task_key or task,
-      {kind = 7, number = e.instance, at = now, until_ms = now + ttl, oid = e.oid, tail = e.tail})
+    put_record(k[3], k[4], task_key or task, format_record(7, e.instance, now, now + ttl, e.oid,
+      e.tail))
     if key_ttl > 0 then
       -- the key's own record holds a reference of its own to the owner's head
       if e.oid ~= '0' then
         redis.call('HINCRBY', k[4], 'r' .. e.oid, '1')
       end
-      put_record(k[3], k[4], task, {kind = 7, number = e.instance, at = now,
-        until_ms = now + key_ttl, oid = e.oid, tail = e.tail})
+      put_record(k[3], k[4], task, format_record(7, e.instance, now, now + key_ttl, e.oid,
+        e.tail))
     end
   else
     if record_ttl ~= '' then

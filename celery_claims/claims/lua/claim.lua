@@ -89,8 +89,8 @@ if previous ~= '' and ARGV[6] ~= '' then
     local ttl = tonumber(ARGV[7])
     if ttl > 0 then
       own(KEYS[5], e)
-      put_record(KEYS[4], KEYS[5], ARGV[1], {kind = 8, number = takeovers, at = now,
-        until_ms = now + ttl, oid = e.oid, tail = e.tail})
+      put_record(KEYS[4], KEYS[5], ARGV[1], format_record(8, takeovers, now, now + ttl, e.oid,
+        e.tail))
     else
       owner_unref(KEYS[5], e.oid)
     end
