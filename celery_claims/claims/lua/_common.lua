@@ -173,16 +173,17 @@ local function parse_entry(raw)
           takeovers = 0, unstarted = false, owner = lo}
 end
 
-local function format_entry(e)
-  local takeovers = '0' -- (most entries': no b36 call)
-  if e.takeovers ~= 0 then
-    takeovers = b36(e.takeovers)
+-- (the fields as arguments, as parse_entry names them: a claim makes no table to write one)
+local function format_entry(instance, created, expires, takeovers, unstarted, oid, tail)
+  local counted = '0' -- (most entries': no b36 call)
+  if takeovers ~= 0 then
+    counted = b36(takeovers)
   end
-  if e.unstarted then
-    takeovers = takeovers .. '?'
+  if unstarted then
+    counted = counted .. '?'
   end
-  return b36(e.instance) .. ',' .. b36(e.created) .. ',' .. b36(e.expires - e.created) .. ','
-    .. takeovers .. ',' .. e.oid .. ',' .. e.tail
+  return b36(instance) .. ',' .. b36(created) .. ',' .. b36(expires - created) .. ',' .. counted
+    .. ',' .. oid .. ',' .. tail
 end
 
 -- The part of an entry a release reads (instance, owner id and tail; an entry of the earlier
@@ -238,11 +239,10 @@ end
 -- Write a task's record (raw: format_record's); the record it replaces (past its retention,
 -- not yet purged) gives back its owner reference. The new record brings a reference of its own.
 local function put_record(records_key, owners_key, task, raw)
-  -- most tasks have no record yet: one write, no read first
-  if redis.call('HSETNX', records_key, task, raw) == 1 then
-    return
+  local old = redis.call('HGET', records_key, task)
+  if old then
+    owner_unref(owners_key, parse_record(old).oid)
   end
-  owner_unref(owners_key, parse_record(redis.call('HGET', records_key, task)).oid)
   redis.call('HSET', records_key, task, raw)
 end
 

@@ -29,7 +29,7 @@ redis.call('HINCRBY', KEYS[3], 'attempts', '1')
 
 if ARGV[5] ~= '0' then
   local run = nil
-  if string.byte(ARGV[5], 1) == 114 then -- 'r'
+  if ARGV[5] ~= '1' and string.byte(ARGV[5], 1) == 114 then -- 'r' (a call: not for '1')
     run = n36(string.sub(ARGV[5], 2))
   end
   -- a keyed claim (ARGV[1] a key, the owner naming its attempt): the attempt's own record
@@ -101,22 +101,23 @@ if previous ~= '' and ARGV[6] ~= '' then
 end
 
 local instance = redis.call('INCR', KEYS[2])
-local entry = {instance = instance, created = now, expires = now + tonumber(ARGV[3]),
-               takeovers = takeovers, unstarted = unstarted}
+local expires = now + tonumber(ARGV[3])
+local oid, tail
 if e and previous == '' and e.oid then
   -- the same owner re-claims: its entry's reference is reused
-  entry.oid, entry.tail = e.oid, e.tail
+  oid, tail = e.oid, e.tail
 else
   -- a reference for the new owner first, then the old entry's goes (same worker: no churn)
-  entry.oid, entry.tail = owner_ref(KEYS[5], ARGV[2])
+  oid, tail = owner_ref(KEYS[5], ARGV[2])
   if e then
     owner_unref(KEYS[5], e.oid)
   end
 end
-redis.call('HSET', KEYS[1], ARGV[1], format_entry(entry))
+redis.call('HSET', KEYS[1], ARGV[1],
+  format_entry(instance, now, expires, takeovers, unstarted, oid, tail))
 if previous ~= '' then
   redis.call('HINCRBY', KEYS[3], 'takeovers', '1')
-  return {3, instance, now, entry.expires, previous}
+  return {3, instance, now, expires, previous}
 end
 redis.call('HINCRBY', KEYS[3], 'successes', '1')
-return {1, instance, now, entry.expires, ''}
+return {1, instance, now, expires, ''}
