@@ -8,8 +8,8 @@ What a Celery worker asks of its claim store for each message, measured on the s
 (``claim.lua`` with records, a fresh 36-character task id, a worker-shaped owner) and the
 completion that acknowledges the delivery (``ack_done.lua``, with kombu's unacked keys). Each
 round, every variant runs on a private ``redis-server`` with the script cache flushed and then
-every claim script registered, as a worker registers them (the server's Lua heap, which its
-garbage collector walks, holds them all). The variants:
+every claim script and the publish journal's registered, as a worker registers them (the
+server's Lua heap, which its garbage collector walks, holds them all). The variants:
 
 - ``floor``: ``return 1``, the cost of any script call on this server;
 - ``ride0``: the minimal claim and completion scripts of ``bench/overhead_app.py`` (no
@@ -257,14 +257,14 @@ def main() -> None:
     )
     parser.add_argument("--client-only", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ops is None:
+        args.ops = 1000 if args.callgrind else 3000
     if args.client_only:
         # one client_cpu measurement, as JSON, by the package of BENCH_TREE (see main)
         print(json.dumps(client_cpu(args.client_only, args.ops)))
         return
     if args.quick:
         args.ops, args.rounds = 300, 1
-    if args.ops is None:
-        args.ops = 1000 if args.callgrind else 3000
     trees = {"tree": sources(ROOT)}
     if args.baseline is not None:
         trees["base"] = sources(args.baseline)
