@@ -124,6 +124,52 @@ def test_a_head_stays_while_a_takeover_leaves_a_record_naming_it(
     assert record.owner == "host-2/2/bb.1"
 
 
+def test_a_record_past_its_retention_replaced_by_a_new_completion_gives_back_its_head(
+    redis_client: redis.Redis,
+) -> None:
+    # Given a task completed by one process, its record past its retention but not purged
+    clock = ManualClock()
+    manager = RedisClaimManager(client=redis_client, clock=clock)
+    first = manager.claim_unless_done(Q, "t1", "host-1/1/aa.1", LEASE).token
+    assert first is not None
+    manager.complete(first, 1_000)
+    clock.advance(1_000)
+
+    # When another process claims it again and completes it
+    second = manager.claim_unless_done(Q, "t1", "host-2/2/bb.1", LEASE).token
+    assert second is not None
+    manager.complete(second, 5_000)
+
+    # Then the new record replaced the old one, whose head went with it
+    record = manager.done_record(Q, "t1")
+    assert record is not None
+    assert (record.instance, record.owner) == (second.instance, "host-2/2/bb.1")
+    assert heads(redis_client, manager) == ["host-2/2/bb."]
+    assert redis_client.hlen(manager.keys(Q).done) == 1
+
+
+def test_a_record_of_an_earlier_release_is_replaced_by_a_new_completion(
+    redis_client: redis.Redis,
+) -> None:
+    # Given a record as an earlier release wrote it (decimal, whole owner), past its retention
+    clock = ManualClock()
+    manager = RedisClaimManager(client=redis_client, clock=clock)
+    now = clock()
+    redis_client.hset(manager.keys(Q).done, "t1", f"3:{now - 20}:{now - 10}:host-1/1/aa.1")
+
+    # When a worker claims the task and completes it
+    token = manager.claim_unless_done(Q, "t1", "host-2/2/bb.1", LEASE).token
+    assert token is not None
+    manager.complete(token, 5_000)
+
+    # Then its record is the new one, in the compact format, and only its head is interned
+    record = manager.done_record(Q, "t1")
+    assert record is not None
+    assert (record.instance, record.owner) == (token.instance, "host-2/2/bb.1")
+    assert heads(redis_client, manager) == ["host-2/2/bb."]
+    assert b":" not in (redis_client.hget(manager.keys(Q).done, "t1") or b":")
+
+
 def test_a_claim_entry_of_an_earlier_release_is_honoured_and_cleaned_up(
     redis_client: redis.Redis,
 ) -> None:

@@ -81,3 +81,24 @@ def test_base_36_numbers_are_written_as_python_reads_them(
     written = redis_client.eval(script, 0, n)
     assert [w.decode() for w in written] == [base36(n), "-" * (n > 0) + base36(n)]
     assert int(written[0], 36) == n
+
+
+@pytest.mark.parametrize("digits", range(1, 12))
+def test_base_36_numbers_of_every_length_are_written_as_python_reads_them(
+    digits: int, redis_client: redis.Redis
+) -> None:
+    # b36 writes up to 8 digits in one step and recurses above: each length, each edge
+    numbers = [36 ** (digits - 1), 36**digits - 1, 36 ** (digits - 1) * 17 + 5]
+    if digits > 1:
+        numbers.append(36 ** (digits - 1) - 1)
+    numbers = [n for n in numbers if n < 2**53]
+    script = with_preamble(
+        "local out = {} for i, n in ipairs(ARGV) do out[i] = b36(tonumber(n)) end return out"
+    )
+    written = redis_client.eval(script, 0, *numbers)
+    assert [w.decode() for w in written] == [base36(n) for n in numbers]
+
+
+def test_a_fractional_number_is_written_in_base_36_rounded_down(redis_client: redis.Redis) -> None:
+    written = redis_client.eval(with_preamble("return b36(tonumber(ARGV[1]))"), 0, "46655.75")
+    assert written.decode() == base36(46655)

@@ -452,3 +452,21 @@ def test_journal_held_refuses_bad_ids_before_anything_is_sent(journal: RedisJour
         journal.held_call("q", "t1:0:0", "")
     with pytest.raises(InvalidArgument, match="task_id"):
         journal.held_call("q", "", "asker")
+
+
+def test_a_journal_entry_is_due_at_the_exact_ms_its_eta_and_delay_name(
+    journal: RedisJournal, redis_client: redis.Redis
+) -> None:
+    # Given an ETA a year ahead, in whole ms
+    eta = int(time.time() * 1000) + 365 * 86_400_000 + 123
+
+    # When a message is journaled with it, and again keeping its entry with a sooner delay
+    at = journal.put("q", "t1", '{"m": 1}', recover_after_ms=2**31 - 1, eta_ms=eta)
+    due = redis_client.zscore(journal.keys("q").journal_due, "t1")
+    soon = journal.put("q", "t1", '{"m": 1}', recover_after_ms=5_000, keep=True)
+    kept = redis_client.zscore(journal.keys("q").journal_due, "t1")
+
+    # Then its recover time, returned and stored, is that very ms; the kept one is now's
+    assert at == due == eta + 2**31 - 1
+    assert soon == kept
+    assert abs(soon - (time.time() * 1000 + 5_000)) < 60_000

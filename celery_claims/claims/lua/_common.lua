@@ -1,4 +1,6 @@
 -- Shared preamble, prepended to every script. The stored formats are described in keys.py.
+-- Numbers sent to redis.call go as strings ('1', not 1) where they are constants: Redis
+-- formats a Lua number argument with snprintf('%.17g'), some 1,500 instructions each.
 
 -- The caller's time when it sent one (ARGV "now" not empty), else the server's clock:
 -- one clock for every worker, whatever their own clocks say.
@@ -7,7 +9,8 @@ local function now_ms(sent)
     return tonumber(sent)
   end
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local us = tonumber(t[2])
+  return tonumber(t[1]) * 1000 + (us - us % 1000) / 1000 -- (math.floor: a call, dearer)
 end
 
 local function fmt(n)
@@ -15,27 +18,65 @@ local function fmt(n)
 end
 
 -- Numbers are stored in base 36 (an epoch in ms takes 8 characters instead of 13); exact
--- below 2^53, like every number a script handles. Two digits a step, each pair made by one
--- string.char: a digit a step with string.sub and table.concat cost twice the time, and the
--- numbers of an entry were the largest part of a claim's script time (docs/benchmarks.md).
+-- below 2^53, like every number a script handles. Up to 8 digits (36^8 ms: past 2059) are
+-- made by one string.char call: a call or a string a digit (or a pair) cost twice the time,
+-- and the numbers of an entry were the largest part of a claim's script time
+-- (bench/scripts.py --callgrind). '0'..'9' are bytes 48..57, 'a'..'z' 97..122.
 local function b36(n)
   if n < 0 then
     return '-' .. b36(-n)
   end
-  n = math.floor(n)
-  local low = n % 36
-  n = (n - low) / 36
-  -- '0'..'9' are bytes 48..57, 'a'..'z' 97..122
+  n = n - n % 1 -- math.floor(n) without a call
+  local a = n % 36
+  n = (n - a) / 36
+  a = a + (a < 10 and 48 or 87)
   if n == 0 then
-    return string.char(low + (low < 10 and 48 or 87))
+    return string.char(a)
   end
-  local high = n % 36
-  n = (n - high) / 36
-  local pair = string.char(high + (high < 10 and 48 or 87), low + (low < 10 and 48 or 87))
+  local b = n % 36
+  n = (n - b) / 36
+  b = b + (b < 10 and 48 or 87)
   if n == 0 then
-    return pair
+    return string.char(b, a)
   end
-  return b36(n) .. pair
+  local c = n % 36
+  n = (n - c) / 36
+  c = c + (c < 10 and 48 or 87)
+  if n == 0 then
+    return string.char(c, b, a)
+  end
+  local d = n % 36
+  n = (n - d) / 36
+  d = d + (d < 10 and 48 or 87)
+  if n == 0 then
+    return string.char(d, c, b, a)
+  end
+  local e = n % 36
+  n = (n - e) / 36
+  e = e + (e < 10 and 48 or 87)
+  if n == 0 then
+    return string.char(e, d, c, b, a)
+  end
+  local f = n % 36
+  n = (n - f) / 36
+  f = f + (f < 10 and 48 or 87)
+  if n == 0 then
+    return string.char(f, e, d, c, b, a)
+  end
+  local g = n % 36
+  n = (n - g) / 36
+  g = g + (g < 10 and 48 or 87)
+  if n == 0 then
+    return string.char(g, f, e, d, c, b, a)
+  end
+  local h = n % 36
+  n = (n - h) / 36
+  h = h + (h < 10 and 48 or 87)
+  local low = string.char(h, g, f, e, d, c, b, a)
+  if n == 0 then
+    return low
+  end
+  return b36(n) .. low
 end
 
 local function n36(text)
@@ -68,10 +109,10 @@ local function owner_ref(owners_key, owner)
   end
   local id = redis.call('HGET', owners_key, 'h' .. head)
   if not id then
-    id = b36(redis.call('HINCRBY', owners_key, '#', 1))
+    id = b36(redis.call('HINCRBY', owners_key, '#', '1'))
     redis.call('HSET', owners_key, 'h' .. head, id, 'i' .. id, head)
   end
-  redis.call('HINCRBY', owners_key, 'r' .. id, 1)
+  redis.call('HINCRBY', owners_key, 'r' .. id, '1')
   return id, tail
 end
 
@@ -80,7 +121,7 @@ local function owner_unref(owners_key, id)
   if id == nil or id == '0' then
     return
   end
-  if redis.call('HINCRBY', owners_key, 'r' .. id, -1) <= 0 then
+  if redis.call('HINCRBY', owners_key, 'r' .. id, '-1') <= 0 then
     local head = redis.call('HGET', owners_key, 'i' .. id)
     redis.call('HDEL', owners_key, 'r' .. id, 'i' .. id)
     if head then
@@ -122,22 +163,37 @@ local function parse_entry(raw)
   local i, c, l, t, u, o, tail = string.match(
     raw, '^(%w+),(%-?%w+),(%w+),(%w+)(%??),(%w+),(.*)$')
   if i then
+    -- (only the created time can be negative: the others need no n36)
     local created = n36(c)
-    return {instance = n36(i), created = created, expires = created + n36(l),
-            takeovers = n36(t), unstarted = u == '?', oid = o, tail = tail}
+    return {instance = tonumber(i, 36), created = created, expires = created + tonumber(l, 36),
+            takeovers = tonumber(t, 36), unstarted = u == '?', oid = o, tail = tail}
   end
   local li, lc, le, lo = string.match(raw, '^(%d+):(%d+):(%d+):(.*)$')
   return {instance = tonumber(li), created = tonumber(lc), expires = tonumber(le),
           takeovers = 0, unstarted = false, owner = lo}
 end
 
-local function format_entry(e)
-  local unstarted = ''
-  if e.unstarted then
-    unstarted = '?'
+-- (the fields as arguments, as parse_entry names them: a claim makes no table to write one)
+local function format_entry(instance, created, expires, takeovers, unstarted, oid, tail)
+  local counted = '0' -- (most entries': no b36 call)
+  if takeovers ~= 0 then
+    counted = b36(takeovers)
   end
-  return b36(e.instance) .. ',' .. b36(e.created) .. ',' .. b36(e.expires - e.created) .. ','
-    .. b36(e.takeovers) .. unstarted .. ',' .. e.oid .. ',' .. e.tail
+  if unstarted then
+    counted = counted .. '?'
+  end
+  return b36(instance) .. ',' .. b36(created) .. ',' .. b36(expires - created) .. ',' .. counted
+    .. ',' .. oid .. ',' .. tail
+end
+
+-- The part of an entry a release reads (instance, owner id and tail; an entry of the earlier
+-- format: parse_entry's whole): parse_entry's very pattern, three captures of seven, no times.
+local function parse_holder(raw)
+  local i, o, tail = string.match(raw, '^(%w+),%-?%w+,%w+,%w+%??,(%w+),(.*)$')
+  if i then
+    return {instance = tonumber(i, 36), oid = o, tail = tail}
+  end
+  return parse_entry(raw)
 end
 
 -- --- completion records: "instance,done_at,retention,owner id,owner tail" (done, 7) or ------
@@ -150,13 +206,13 @@ local function parse_record(raw)
   local i, a, u, rest = string.match(raw, '^(%w+),(%-?%w+),(%w+),(.*)$')
   if i then
     local at = n36(a)
-    local r = {at = at, until_ms = at + n36(u)}
+    local r = {at = at, until_ms = at + tonumber(u, 36)}
     if i == '0' then
       local t, o, tail = string.match(rest, '^(%w+),(%w+),(.*)$')
-      r.kind, r.number, r.oid, r.tail = 8, n36(t), o, tail
+      r.kind, r.number, r.oid, r.tail = 8, tonumber(t, 36), o, tail
     else
       local o, tail = string.match(rest, '^(%w+),(.*)$')
-      r.kind, r.number, r.oid, r.tail = 7, n36(i), o, tail
+      r.kind, r.number, r.oid, r.tail = 7, tonumber(i, 36), o, tail
     end
     return r
   end
@@ -171,26 +227,23 @@ local function parse_record(raw)
   return r
 end
 
-local function format_record(r)
-  local head = b36(r.number)
-  if r.kind == 8 then
-    head = '0'
+-- (the fields as arguments, not a table: a table made for each record cost more than its use)
+local function format_record(kind, number, at, until_ms, oid, tail)
+  if kind == 8 then
+    return '0,' .. b36(at) .. ',' .. b36(until_ms - at) .. ',' .. b36(number) .. ',' .. oid .. ','
+      .. tail
   end
-  head = head .. ',' .. b36(r.at) .. ',' .. b36(r.until_ms - r.at) .. ','
-  if r.kind == 8 then
-    head = head .. b36(r.number) .. ','
-  end
-  return head .. r.oid .. ',' .. r.tail
+  return b36(number) .. ',' .. b36(at) .. ',' .. b36(until_ms - at) .. ',' .. oid .. ',' .. tail
 end
 
--- Write a task's record; the record it replaces (past its retention, not yet purged) gives
--- back its owner reference. The new record brings a reference of its own.
-local function put_record(records_key, owners_key, task, r)
+-- Write a task's record (raw: format_record's); the record it replaces (past its retention,
+-- not yet purged) gives back its owner reference. The new record brings a reference of its own.
+local function put_record(records_key, owners_key, task, raw)
   local old = redis.call('HGET', records_key, task)
   if old then
     owner_unref(owners_key, parse_record(old).oid)
   end
-  redis.call('HSET', records_key, task, format_record(r))
+  redis.call('HSET', records_key, task, raw)
 end
 
 -- A completion kept for no time still replaces the task's earlier record: there is none after.
@@ -210,6 +263,9 @@ end
 -- with a key retention also to the key's field (an idempotency key). Returns the task key
 -- and the retention, or nil for a plain owner.
 local function keyed_owner(owner)
+  if not string.find(owner, '~k', 1, true) then
+    return nil, 0 -- most owners: one plain search instead of a pattern tried at each byte
+  end
   local escaped, ttl = string.match(owner, '~k([^~]*)~(%d+)$')
   if escaped == nil then
     return nil, 0
@@ -228,13 +284,14 @@ end
 
 -- The claim a token refers to, checked in the Rust AtomicClaimManager's order: not found (4), then another
 -- instance (5: stale), then another owner (6). Returns status 1 and the parsed entry when the
--- token holds the claim. Expiry is not checked (release and extend ignore it).
-local function check_token(claims_key, owners_key, task, owner, instance)
+-- token holds the claim (parsed by parse, default parse_entry). Expiry is not checked (release
+-- and extend ignore it).
+local function check_token(claims_key, owners_key, task, owner, instance, parse)
   local raw = redis.call('HGET', claims_key, task)
   if not raw then
     return 4
   end
-  local e = parse_entry(raw)
+  local e = (parse or parse_entry)(raw)
   if e.instance ~= tonumber(instance) then
     return 5
   end
@@ -248,12 +305,12 @@ end
 -- completion record too. k = the queue's {claims, stats, records, owners} keys (release.lua's
 -- KEYS[1..4]). Returns 1 (released) or check_token's refusal.
 local function release_claim(k, task, owner, instance, record_ttl, now_arg)
-  local status, e = check_token(k[1], k[4], task, owner, instance)
+  local status, e = check_token(k[1], k[4], task, owner, instance, parse_holder)
   if status ~= 1 then
     return status
   end
   redis.call('HDEL', k[1], task)
-  redis.call('HINCRBY', k[2], 'acks', 1)
+  redis.call('HINCRBY', k[2], 'acks', '1')
   local ttl = 0
   if record_ttl ~= '' then
     ttl = tonumber(record_ttl)
@@ -265,15 +322,15 @@ local function release_claim(k, task, owner, instance, record_ttl, now_arg)
     -- clock; the claim's owner reference passes to the record
     own(k[4], e)
     local task_key, key_ttl = keyed_owner(owner)
-    put_record(k[3], k[4], task_key or task,
-      {kind = 7, number = e.instance, at = now, until_ms = now + ttl, oid = e.oid, tail = e.tail})
+    put_record(k[3], k[4], task_key or task, format_record(7, e.instance, now, now + ttl, e.oid,
+      e.tail))
     if key_ttl > 0 then
       -- the key's own record holds a reference of its own to the owner's head
       if e.oid ~= '0' then
-        redis.call('HINCRBY', k[4], 'r' .. e.oid, 1)
+        redis.call('HINCRBY', k[4], 'r' .. e.oid, '1')
       end
-      put_record(k[3], k[4], task, {kind = 7, number = e.instance, at = now,
-        until_ms = now + key_ttl, oid = e.oid, tail = e.tail})
+      put_record(k[3], k[4], task, format_record(7, e.instance, now, now + key_ttl, e.oid,
+        e.tail))
     end
   else
     if record_ttl ~= '' then

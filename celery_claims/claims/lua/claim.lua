@@ -25,21 +25,17 @@
 --          {8 GIVEN_UP, takeovers, given_up_at, previous owner}
 local now = now_ms(ARGV[4])
 -- attempts are counted first, whatever the outcome (the Rust AtomicClaimManager's order)
-redis.call('HINCRBY', KEYS[3], 'attempts', 1)
+redis.call('HINCRBY', KEYS[3], 'attempts', '1')
 
 if ARGV[5] ~= '0' then
   local run = nil
-  if string.byte(ARGV[5], 1) == 114 then -- 'r'
+  if ARGV[5] ~= '1' and string.byte(ARGV[5], 1) == 114 then -- 'r' (a call: not for '1')
     run = n36(string.sub(ARGV[5], 2))
   end
   -- a keyed claim (ARGV[1] a key, the owner naming its attempt): the attempt's own record
   -- first (a copy of a finished attempt), then the key's (a key kept done for a while)
-  local fields = {ARGV[1]}
-  local task_key = keyed_owner(ARGV[2])
-  if task_key then
-    fields = {task_key, ARGV[1]}
-  end
-  for _, field in ipairs(fields) do
+  local field = keyed_owner(ARGV[2]) or ARGV[1]
+  while field do
     local raw = redis.call('HGET', KEYS[4], field)
     if raw then
       local r = parse_record(raw)
@@ -53,6 +49,7 @@ if ARGV[5] ~= '0' then
         end
       end
     end
+    field = field ~= ARGV[1] and ARGV[1] or nil -- (no table of fields to walk: its cost)
   end
 end
 
@@ -65,7 +62,7 @@ if raw then
   -- the same owner re-claims whether expired or not; only another owner is judged by expiry
   if holder ~= ARGV[2] then
     if now < e.expires then
-      redis.call('HINCRBY', KEYS[3], 'contentions', 1)
+      redis.call('HINCRBY', KEYS[3], 'contentions', '1')
       return {2, holder, e.expires}
     end
     previous = holder
@@ -92,8 +89,8 @@ if previous ~= '' and ARGV[6] ~= '' then
     local ttl = tonumber(ARGV[7])
     if ttl > 0 then
       own(KEYS[5], e)
-      put_record(KEYS[4], KEYS[5], ARGV[1], {kind = 8, number = takeovers, at = now,
-        until_ms = now + ttl, oid = e.oid, tail = e.tail})
+      put_record(KEYS[4], KEYS[5], ARGV[1], format_record(8, takeovers, now, now + ttl, e.oid,
+        e.tail))
     else
       owner_unref(KEYS[5], e.oid)
     end
@@ -104,22 +101,23 @@ if previous ~= '' and ARGV[6] ~= '' then
 end
 
 local instance = redis.call('INCR', KEYS[2])
-local entry = {instance = instance, created = now, expires = now + tonumber(ARGV[3]),
-               takeovers = takeovers, unstarted = unstarted}
+local expires = now + tonumber(ARGV[3])
+local oid, tail
 if e and previous == '' and e.oid then
   -- the same owner re-claims: its entry's reference is reused
-  entry.oid, entry.tail = e.oid, e.tail
+  oid, tail = e.oid, e.tail
 else
   -- a reference for the new owner first, then the old entry's goes (same worker: no churn)
-  entry.oid, entry.tail = owner_ref(KEYS[5], ARGV[2])
+  oid, tail = owner_ref(KEYS[5], ARGV[2])
   if e then
     owner_unref(KEYS[5], e.oid)
   end
 end
-redis.call('HSET', KEYS[1], ARGV[1], format_entry(entry))
+redis.call('HSET', KEYS[1], ARGV[1],
+  format_entry(instance, now, expires, takeovers, unstarted, oid, tail))
 if previous ~= '' then
-  redis.call('HINCRBY', KEYS[3], 'takeovers', 1)
-  return {3, instance, now, entry.expires, previous}
+  redis.call('HINCRBY', KEYS[3], 'takeovers', '1')
+  return {3, instance, now, expires, previous}
 end
-redis.call('HINCRBY', KEYS[3], 'successes', 1)
-return {1, instance, now, entry.expires, ''}
+redis.call('HINCRBY', KEYS[3], 'successes', '1')
+return {1, instance, now, expires, ''}

@@ -12,5 +12,6 @@ if status ~= 1 then
 end
 e.expires = e.expires + tonumber(ARGV[4])
 own(KEYS[2], e)
-redis.call('HSET', KEYS[1], ARGV[1], format_entry(e))
+redis.call('HSET', KEYS[1], ARGV[1], format_entry(e.instance, e.created, e.expires,
+  e.takeovers, e.unstarted, e.oid, e.tail))
 return {1, e.instance, e.created, e.expires, ARGV[2]}

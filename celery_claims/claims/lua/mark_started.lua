@@ -10,6 +10,7 @@ local status, e = check_token(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])
 if status == 1 and e.unstarted then
   e.unstarted = false
   own(KEYS[2], e)
-  redis.call('HSET', KEYS[1], ARGV[1], format_entry(e))
+  redis.call('HSET', KEYS[1], ARGV[1], format_entry(e.instance, e.created,
+    e.expires, e.takeovers, e.unstarted, e.oid, e.tail))
 end
 return {status}

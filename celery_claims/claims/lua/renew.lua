@@ -19,7 +19,8 @@ for i = 3, #ARGV, 3 do
     if expires_at ~= e.expires then
       e.expires = expires_at
       own(KEYS[2], e)
-      redis.call('HSET', KEYS[1], task, format_entry(e))
+      redis.call('HSET', KEYS[1], task, format_entry(e.instance, e.created,
+        e.expires, e.takeovers, e.unstarted, e.oid, e.tail))
     end
   end
   out[#out + 1] = status
