@@ -160,15 +160,17 @@ _HEADS: dict[tuple[str, ...], bytes] = {}
 _HEADS_KEPT = 1024
 
 
+#: The types :func:`_ascii_words` packs (exact: a subclass may print otherwise, a bool too).
+_WORD_TYPES = frozenset({str, int})
+
+
 def _ascii_words(words: list[Any]) -> bytes | None:
     """``words`` (exact ``str`` and ``int``, all ASCII) as RESP bulk strings, or None."""
-    text = ""
-    for word in words:
-        if type(word) is not str:
-            if type(word) is not int:
-                return None
-            word = str(word)  # redis-py's encoder: repr(int)
-        text += f"${len(word)}\r\n{word}\r\n"
+    if not _WORD_TYPES.issuperset(map(type, words)):
+        return None
+    texts = list(map(str, words))  # redis-py's encoder: repr(int); a str is itself
+    # the words' loop in C (map over str.format): a call a word cost as much again
+    text = "".join(map("${}\r\n{}\r\n".format, map(len, texts), texts))
     # one check for all: an ASCII word's length in characters is its length in bytes
     return text.encode() if text.isascii() else None
 
@@ -432,7 +434,7 @@ class ScriptCaller:
             redis.ResponseError: the script's error (the connection is kept).
             InvalidArgument: ``pool`` is not a standalone server's (:func:`usable`).
         """
-        return self._on_kept(pool, lambda kept: kept.call(call))
+        return self._on_kept(pool, _Kept.call, call)
 
     def transaction(self, pool: Any, commands: list[tuple[Any, ...]], call: ScriptCall[Any]) -> Any:
         """Send ``commands`` and then ``call`` in one ``MULTI``/``EXEC`` to the server of
@@ -447,10 +449,11 @@ class ScriptCaller:
                 refused when queued), nothing ran (the connection is kept).
             InvalidArgument: ``pool`` is not a standalone server's (:func:`usable`).
         """
-        return self._on_kept(pool, lambda kept: kept.transaction(commands, call))
+        return self._on_kept(pool, _Kept.transaction, commands, call)
 
-    def _on_kept(self, pool: Any, use: Callable[[_Kept], Any]) -> Any:
-        """``use(kept)`` on a kept connection of ``pool``'s server, taken for the call."""
+    def _on_kept(self, pool: Any, use: Callable[..., Any], *args: Any) -> Any:
+        """``use(kept, *args)`` on a kept connection of ``pool``'s server, taken for the
+        call."""
         if type(pool) is not redis.ConnectionPool:
             raise InvalidArgument("pool", "a standalone redis.ConnectionPool is needed")
         if self._pid != os.getpid():
@@ -464,7 +467,7 @@ class ScriptCaller:
                 kept.close()
                 kept = _Kept(pool)
         try:
-            reply = use(kept)
+            reply = use(kept, *args)
         except redis.ResponseError:
             self._free.append(kept)
             raise
