@@ -339,7 +339,7 @@ class _Verifier:
             lambda: (
                 record_done(
                     self.manager(),
-                    claim.token(),
+                    claim,  # a ClaimToken (as in settle)
                     lease_ms=claim.lease_ms,
                     done_ttl_ms=self.settings.done_ttl_ms,
                 ).verdict

@@ -160,17 +160,15 @@ _HEADS: dict[tuple[str, ...], bytes] = {}
 _HEADS_KEPT = 1024
 
 
-#: The types :func:`_ascii_words` packs (exact: a subclass may print otherwise, a bool too).
-_WORD_TYPES = frozenset({str, int})
-
-
 def _ascii_words(words: list[Any]) -> bytes | None:
     """``words`` (exact ``str`` and ``int``, all ASCII) as RESP bulk strings, or None."""
-    if not _WORD_TYPES.issuperset(map(type, words)):
-        return None
-    texts = list(map(str, words))  # redis-py's encoder: repr(int); a str is itself
-    # the words' loop in C (map over str.format): a call a word cost as much again
-    text = "".join(map("${}\r\n{}\r\n".format, map(len, texts), texts))
+    text = ""
+    for word in words:
+        if type(word) is not str:
+            if type(word) is not int:
+                return None
+            word = str(word)  # redis-py's encoder: repr(int)
+        text += f"${len(word)}\r\n{word}\r\n"
     # one check for all: an ASCII word's length in characters is its length in bytes
     return text.encode() if text.isascii() else None
 
