@@ -63,6 +63,8 @@ def require_int(
     name: str, value: object, maximum: int, *, minimum: int = 0, error: Error = InvalidArgument
 ) -> int:
     """Return ``value`` if it is an ``int`` in ``minimum .. maximum``, else raise ``error``."""
+    if type(value) is int and minimum <= value <= maximum:
+        return value  # the usual case, in one step
     # bool is an int subclass: ``lease_ms=True`` is a bug, never one millisecond.
     if isinstance(value, bool) or not isinstance(value, int):
         raise error.about(name, f"must be an int, got {type(value).__name__}")
@@ -108,6 +110,15 @@ def require_text(
 
 def require_id(name: str, value: Any) -> str:
     """Return ``value`` if it is a usable id, else raise :class:`InvalidArgument`."""
+    # the usual id in a few steps: ASCII text's length in characters is its length in UTF-8,
+    # and it holds no surrogate; any other goes through the full check
+    if (
+        type(value) is str
+        and 0 < len(value) <= MAX_ID_BYTES
+        and value.isascii()
+        and "\x00" not in value
+    ):
+        return value
     return require_text(name, value, max_bytes=MAX_ID_BYTES)
 
 
@@ -146,6 +157,8 @@ def require_sequence(
 
 def require_token(value: Any) -> ClaimToken:
     """Return ``value`` if it is a well-formed :class:`ClaimToken`."""
+    if isinstance(value, ClaimToken) and _plain_token(value):
+        return value
     if not isinstance(value, ClaimToken):
         raise InvalidArgument("token", f"must be a ClaimToken, got {type(value).__name__}")
     require_id("token.queue_id", value.queue_id)
@@ -154,6 +167,32 @@ def require_token(value: Any) -> ClaimToken:
     for field in ("instance", "created_at", "expires_at"):
         require_int(f"token.{field}", getattr(value, field), MAX_TOKEN_NUMBER)
     return value
+
+
+def _plain_token(token: ClaimToken) -> bool:
+    """True if ``token`` passes :func:`require_token` by a few tests (those of
+    :func:`require_id`'s first step, for its three ids at once): the tokens of every message.
+    False only means the full checks decide, and name what is wrong."""
+    queue_id, task_id, owner = token.queue_id, token.task_id, token.owner
+    instance, created_at, expires_at = token.instance, token.created_at, token.expires_at
+    if not (type(queue_id) is str and type(task_id) is str and type(owner) is str):
+        return False
+    # the three ids in one text: one scan each for non-ASCII and for NUL, and a length
+    # within the limit is each one's
+    ids = queue_id + task_id + owner
+    return bool(
+        queue_id
+        and task_id
+        and owner
+        and len(ids) <= MAX_ID_BYTES
+        and ids.isascii()
+        and "\x00" not in ids
+        and type(instance) is int
+        and type(created_at) is int
+        and type(expires_at) is int
+        # in range if their bitwise or is: none negative, none larger
+        and 0 <= (instance | created_at | expires_at) <= MAX_TOKEN_NUMBER
+    )
 
 
 def require_tokens(tokens: Any) -> list[ClaimToken]:

@@ -65,6 +65,7 @@ __all__ = [
     "gate_result",
     "many_call",
     "translate_errors",
+    "translated",
 ]
 
 _T = TypeVar("_T")
@@ -120,10 +121,17 @@ def translate_errors() -> Iterator[None]:
     """Turn redis-py errors into the package's error tree at the backend boundary."""
     try:
         yield
-    except _UNAVAILABLE as exc:
-        raise BackendUnavailable(f"claim store unavailable: {exc}") from exc
     except redis_errors.RedisError as exc:
-        raise BackendError(f"claim store error: {exc}") from exc
+        raise translated(exc) from exc
+
+
+def translated(exc: redis_errors.RedisError) -> BackendError:
+    """The package's error for redis-py's ``exc`` (raise it ``from exc``):
+    :class:`BackendUnavailable` where the store could not be reached, else
+    :class:`BackendError`."""
+    if isinstance(exc, _UNAVAILABLE):
+        return BackendUnavailable(f"claim store unavailable: {exc}")
+    return BackendError(f"claim store error: {exc}")
 
 
 def as_text(value: Any) -> str:
@@ -474,8 +482,10 @@ class ScriptRunner:
             ClaimTokenError: the call's own refusal (see its operation).
         """
         send = self._send
-        with translate_errors():
+        try:  # translate_errors(), inline: a context manager's frames cost a call as much
             reply = call.script(keys=call.keys, args=call.args) if send is None else send(call)
+        except redis_errors.RedisError as exc:
+            raise translated(exc) from exc
         return call.decode(reply)
 
     def send_calls_with(self, send: Callable[[ScriptCall[Any]], Any] | None) -> None:

@@ -122,6 +122,14 @@ def test_extend_renew_and_complete_reject_bad_durations(seeded: Backend, bad: An
         ClaimToken(Q, "live", "worker-1", 2**70, 0, 0),
         ClaimToken("", "live", "worker-1", 1, 0, 0),
         ClaimToken(Q, MEGABYTE_ID, "worker-1", 1, 0, 0),
+        ClaimToken(Q, "live", "", 1, 0, 0),
+        ClaimToken(Q, "live", "worker\x00-1", 1, 0, 0),
+        ClaimToken(Q, "live\ud800", "worker-1", 1, 0, 0),
+        ClaimToken(Q, "live", b"worker-1", 1, 0, 0),  # type: ignore[arg-type]
+        ClaimToken(Q, "live", "worker-1", 1, -1, 0),
+        ClaimToken(Q, "live", "worker-1", 1, 0, 2**53 + 1),
+        ClaimToken(Q, "live", "worker-1", 1, 0, False),
+        ClaimToken(Q, "live", "worker-1", 1, 1.0, 0),  # type: ignore[arg-type]
     ],
     ids=repr,
 )
@@ -132,6 +140,28 @@ def test_malformed_tokens_are_rejected_before_any_lookup(seeded: Backend, bad: A
     refused(seeded, lambda: m.complete(bad, 1_000), InvalidArgument, "token")
     refused(seeded, lambda: m.mark_started(bad), InvalidArgument, "token")
     refused(seeded, lambda: m.renew(Q, [bad], 1_000), InvalidArgument, "token")
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        # ids longer together than one id may be, each within the limit
+        ClaimToken(Q, "t" * 1024, "w" * 1024, 1, 0, 0),
+        ClaimToken("очередь", "задача", "wørker 🚀", 1, 0, 0),  # not ASCII
+        # numbers at the limit, each (together their bits pass it)
+        ClaimToken(Q, "live", "worker-1", 2**53, 2**53 - 1, 1),
+    ],
+    ids=["long-ids", "unicode-ids", "largest-numbers"],
+)
+def test_well_formed_tokens_at_the_limits_are_answered_by_the_store(
+    seeded: Backend, token: ClaimToken
+) -> None:
+    # Given well-formed tokens the store never handed out
+    # When they are used, Then the store refuses them: none is refused as malformed
+    m = seeded.manager
+    for use in (lambda: m.release(token), lambda: m.complete(token, 1_000)):
+        error = refused(seeded, use, ClaimError, ".")
+        assert not isinstance(error, InvalidArgument)
 
 
 def test_renew_rejects_a_non_sequence_of_tokens(seeded: Backend) -> None:

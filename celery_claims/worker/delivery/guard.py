@@ -284,7 +284,7 @@ class _Verifier:
 
         def ask() -> Settled:
             manager = self.manager()
-            token = claim.token()
+            token = claim  # a TaskClaim is a ClaimToken: the same fields, not one more copy
             try:
                 manager.execute(manager.ack_done_call(token, ttl, keys, tag))
                 return Settled.SETTLED
@@ -339,7 +339,7 @@ class _Verifier:
             lambda: (
                 record_done(
                     self.manager(),
-                    claim.token(),
+                    claim,  # a ClaimToken (as in settle)
                     lease_ms=claim.lease_ms,
                     done_ttl_ms=self.settings.done_ttl_ms,
                 ).verdict
@@ -353,12 +353,16 @@ class _Verifier:
         can start on it either. A store that stays away longer than
         ``claims_start_timeout_ms`` ends the wait with :class:`BackendUnavailable`.
         """
-        deadline = time.monotonic() + self.settings.start_timeout_ms / 1000
-        delay_s = self.settings.unavailable_retry_ms / 1000
+        started = time.monotonic()
+        deadline: float | None = None
+        delay_s = 0.0
         while True:
             try:
                 return ask()
             except BackendUnavailable:
+                if deadline is None:  # the wait's terms, worked out where there is a wait
+                    deadline = started + self.settings.start_timeout_ms / 1000
+                    delay_s = self.settings.unavailable_retry_ms / 1000
                 if time.monotonic() + delay_s >= deadline:
                     raise
                 time.sleep(delay_s)

@@ -432,7 +432,7 @@ class ScriptCaller:
             redis.ResponseError: the script's error (the connection is kept).
             InvalidArgument: ``pool`` is not a standalone server's (:func:`usable`).
         """
-        return self._on_kept(pool, lambda kept: kept.call(call))
+        return self._on_kept(pool, _Kept.call, call)
 
     def transaction(self, pool: Any, commands: list[tuple[Any, ...]], call: ScriptCall[Any]) -> Any:
         """Send ``commands`` and then ``call`` in one ``MULTI``/``EXEC`` to the server of
@@ -447,10 +447,11 @@ class ScriptCaller:
                 refused when queued), nothing ran (the connection is kept).
             InvalidArgument: ``pool`` is not a standalone server's (:func:`usable`).
         """
-        return self._on_kept(pool, lambda kept: kept.transaction(commands, call))
+        return self._on_kept(pool, _Kept.transaction, commands, call)
 
-    def _on_kept(self, pool: Any, use: Callable[[_Kept], Any]) -> Any:
-        """``use(kept)`` on a kept connection of ``pool``'s server, taken for the call."""
+    def _on_kept(self, pool: Any, use: Callable[..., Any], *args: Any) -> Any:
+        """``use(kept, *args)`` on a kept connection of ``pool``'s server, taken for the
+        call."""
         if type(pool) is not redis.ConnectionPool:
             raise InvalidArgument("pool", "a standalone redis.ConnectionPool is needed")
         if self._pid != os.getpid():
@@ -464,7 +465,7 @@ class ScriptCaller:
                 kept.close()
                 kept = _Kept(pool)
         try:
-            reply = use(kept)
+            reply = use(kept, *args)
         except redis.ResponseError:
             self._free.append(kept)
             raise
