@@ -957,11 +957,13 @@ def test_the_messages_of_a_burst_share_script_calls_to_the_store(
         close_app(app)
     assert sorted(runs) == list(range(BURST + 1))
     # Then the claims and records of messages delivered together shared claim_many calls:
-    # fewer than the claim and the record of each message (2 per message before claim_many;
-    # 0.4 to 1.0 measured with it, depending on how the deliveries and replies interleave);
-    # the rest of the EVALSHAs are the producer's publish journal writes, one per message
+    # fewer than the claim and the record of each message (2 per message before claim_many).
+    # How many fewer depends on how the deliveries and replies interleave: 0.4 to 1.0 a
+    # message on a quiet machine, up to 1.7 on one loaded by other processes (seen in a tox
+    # run and beside callgrind runs), so the bound is the one the claim names, not a margin
+    # under it; the rest of the EVALSHAs are the producer's journal writes, one per message
     worker_calls = after["evalsha"] - before.get("evalsha", 0) - BURST
-    assert worker_calls <= BURST * 3 // 2
+    assert worker_calls < BURST * 2
     claims = RedisClaimManager(client=observer, prefix=key_prefix)
     stats = claims.stats()
     assert (stats.successes, stats.acks) == (BURST + 1, BURST + 1)
