@@ -33,7 +33,7 @@ from celery_claims.worker import ClaimsSettings, install, load_settings
 from celery_claims.worker.steps import check_unsafe_settings
 from celery_claims.worker.tasks import CLEANUP_TASK_NAME
 from tests.servers import RedisServer, redis_server
-from tests.worker.helpers import in_process_worker, make_app, unique, wait_done
+from tests.worker.helpers import close_app, in_process_worker, make_app, unique, wait_done
 from tests.worker.processes import ROOT, Fleet
 
 ENV_APP = "tests.worker.apps.env_app"
@@ -286,6 +286,10 @@ def test_a_per_task_lease_shorter_than_the_renew_interval_is_renewed_in_time(
             assert wait_done(manager, queue, task_key)
     finally:
         manager.client.close()
+        # its result's pub/sub closed here: left open, a collection in a later test found the
+        # result and, on Celery 5.3 to 5.6, reconnected the pub/sub to unsubscribe it, leaving
+        # an unclosed socket to fail whichever test collected it next
+        close_app(app)
 
 
 # --- 3. one table ---------------------------------------------------------------------------
