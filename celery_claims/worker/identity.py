@@ -23,7 +23,14 @@ from typing import Any
 
 from celery_claims.worker.compat import task_queues
 
-__all__ = ["Attempt", "QueueResolver", "attempt_of", "claim_task_id", "new_owner"]
+__all__ = [
+    "Attempt",
+    "QueueResolver",
+    "attempt_of",
+    "attempt_task_id",
+    "claim_task_id",
+    "new_owner",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +69,18 @@ def claim_task_id(task_id: str, attempt: Attempt) -> str:
     The claim store escapes ``:`` inside keys, so the separator cannot collide with task ids.
     """
     return f"{task_id}:{attempt.retries}:{attempt.nesting}"
+
+
+def attempt_task_id(task_id: str, fields: Mapping[str, Any]) -> str:
+    """``claim_task_id(task_id, attempt_of(fields))`` (``fields``: a message's headers or a
+    request dict), without building an :class:`Attempt` for the counts Celery itself sends (a
+    first attempt's absent or 0, or two non-negative ints): every message asks it."""
+    retries, nesting = fields.get("retries"), fields.get("replaced_task_nesting")
+    if not retries and not nesting:
+        return f"{task_id}:0:0"  # attempt_of() reads absent, None or 0 so too
+    if type(retries) is int and type(nesting) is int and retries >= 0 and nesting >= 0:
+        return f"{task_id}:{retries}:{nesting}"
+    return claim_task_id(task_id, attempt_of(fields))
 
 
 def new_owner(hostname: str) -> str:

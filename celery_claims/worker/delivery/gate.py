@@ -51,13 +51,7 @@ from celery_claims.worker.delivery.guard import REQUEST_KEY, SETTLE_KEY, is_guar
 from celery_claims.worker.delivery.keyed import KeyedClaim, KeySpecs
 from celery_claims.worker.delivery.lifecycle import Lifecycle
 from celery_claims.worker.delivery.state import State
-from celery_claims.worker.identity import (
-    Attempt,
-    QueueResolver,
-    attempt_of,
-    claim_task_id,
-    new_owner,
-)
+from celery_claims.worker.identity import QueueResolver, attempt_task_id, new_owner
 from celery_claims.worker.policy import is_exempt, time_limit_of
 from celery_claims.worker.publish.runs import run_of
 from celery_claims.worker.runtime import ClaimsRuntime
@@ -72,16 +66,6 @@ logger = get_logger("celery_claims.worker")
 
 #: A pre-claim whose reply has not come (kombu's transaction failed before it).
 _NO_REPLY = object()
-
-#: A message's first attempt (no retry, no replacement): most messages.
-_FIRST = Attempt()
-
-
-def _task_key(task_id: str, fields: Any) -> str:
-    """The claim's task id of the attempt a message is (its headers or request dict)."""
-    if not fields.get("retries") and not fields.get("replaced_task_nesting"):
-        return claim_task_id(task_id, _FIRST)  # attempt_of() reads absent or 0 so too
-    return claim_task_id(task_id, attempt_of(fields))
 
 
 @dataclass(eq=False)
@@ -172,7 +156,7 @@ class ClaimGate:
         try:
             queue_id = self.queues.queue_of(request.delivery_info)
             fields = request_fields(request)
-            task_key = _task_key(request.id, fields)
+            task_key = attempt_task_id(request.id, fields)
         except Exception:
             # unreadable routing or attempt: never run unclaimed; the message stays unacked
             # and the broker redelivers it
@@ -332,7 +316,7 @@ class ClaimGate:
             limits = self.life.rates.unkeyed_limits(task, name, queue_id)
             if limits is None:
                 return None  # and a rate's key
-            task_key = _task_key(task_id, headers)
+            task_key = attempt_task_id(task_id, headers)
             run = run_of(headers)
             owner = with_run(new_owner(self.runtime.hostname), run)
             call = self._claim_call(queue_id, task_key, owner, lease_ms, limits=limits, run=run)

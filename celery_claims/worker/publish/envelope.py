@@ -12,7 +12,7 @@ from typing import Any
 from kombu.serialization import dumps as serialize
 from kombu.utils import json
 
-from celery_claims.worker.identity import attempt_of, claim_task_id
+from celery_claims.worker.identity import attempt_task_id
 from celery_claims.worker.transport.publish import kombu_json_codec
 
 __all__ = ["Envelope"]
@@ -188,13 +188,7 @@ class Envelope:
     @property
     def task_key(self) -> str:
         """The claim store's task id of its attempt."""
-        headers = self.headers
-        retries = headers.get("retries")
-        nesting = headers.get("replaced_task_nesting")
-        if type(retries) is int and type(nesting) is int and retries >= 0 and nesting >= 0:
-            # what Celery's own messages carry: attempt_of's counts as they are
-            return f"{self.task_id}:{retries}:{nesting}"
-        return claim_task_id(self.task_id, attempt_of(headers))
+        return attempt_task_id(self.task_id, self.headers)
 
     @property
     def eta_ms(self) -> int | None:

@@ -60,14 +60,12 @@ def is_canvas_part(headers: Mapping[str, Any], body: Any) -> bool:
     """True for a group member, a chord's part or body, and a chain step (protocol 2)."""
     if headers.get("group"):
         return True
-    if type(body) is tuple and len(body) == 3 and type(body[2]) is dict:
-        # Celery's own body (args, kwargs, embed): exact types first, where the ABC's
-        # isinstance below costs as much as the rest of the check (it runs twice a publish)
-        options: dict[str, Any] = body[2]
-        return bool(options.get("chord")) or options.get("chain") is not None
-    if isinstance(body, (tuple, list)) and len(body) == 3 and isinstance(body[2], Mapping):
+    if isinstance(body, (tuple, list)) and len(body) == 3:
         embed = body[2]
-        return bool(embed.get("chord")) or embed.get("chain") is not None
+        # a dict (Celery's own) before the ABC's isinstance, which costs as much as the rest
+        # of the check (it runs twice a publish)
+        if type(embed) is dict or isinstance(embed, Mapping):
+            return bool(embed.get("chord")) or embed.get("chain") is not None
     return False
 
 
