@@ -42,6 +42,7 @@ from celery_claims.claims.calls import ScriptCall
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import socket_of
 from celery_claims.errors import BackendUnavailable, InvalidArgument
+from celery_claims.worker.transport.resp import Replies, replies_of
 
 __all__ = [
     "ScriptCaller",
@@ -90,16 +91,29 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def reply_there(
-    connection: Any, sock: socket.socket, poll: Any, *, probe: bool, waiting: bool
+    connection: Any,
+    sock: socket.socket,
+    poll: Any,
+    *,
+    probe: bool,
+    waiting: bool,
+    replies: Replies | None = None,
 ) -> bool:
     """True if a reply (or the store's close) is there to read on ``connection`` (its socket
     ``sock``, registered in ``poll``, or None): in the socket, if ``probe``, or held by
-    redis-py's parser (or by TLS). ``waiting``: calls wait for replies."""
+    the reader of its replies (``replies``, else redis-py's parser), or by TLS. ``waiting``:
+    calls wait for replies."""
     polled = probe and waiting and poll is not None
     if polled and poll.poll(0):
         # one poll(2), where can_read sets the socket's timeout twice around a recv(2):
         # read_response then reads what came (a store's close, too, ends it there)
         return True
+    if replies is not None:
+        if replies.held():
+            return True
+        if polled or not probe:
+            return False
+        return wait_readable(sock, replies, 0.0)
     buffer = getattr(connection._parser, "_buffer", None)  # redis-py's Python parser
     unread = getattr(buffer, "unread_bytes", None)
     if unread is None:
@@ -112,6 +126,18 @@ def reply_there(
         return False
     # nothing asked for (or no poll): can_read raises if the store closed the connection
     return bool(connection.can_read(timeout=0))
+
+
+def wait_readable(sock: socket.socket | None, replies: Replies, timeout_s: float) -> bool:
+    """True once a reply (or the store's close) is there to read on a connection whose
+    replies ``replies`` reads (its socket ``sock``), waiting up to ``timeout_s``: redis-py's
+    ``can_read`` would read them into its own buffer, where ``replies`` never sees them."""
+    if replies.held():
+        return True
+    if sock is None:
+        return False
+    readable, _, _ = select.select([sock], [], [], max(timeout_s, 0.0))
+    return bool(readable)
 
 
 def usable(client: Any) -> bool:
@@ -257,6 +283,7 @@ class ScriptSender:
         self._polled: weakref.ref[socket.socket] | None = None
         self._lock = threading.Lock()
         self._conn: Any = None
+        self._replies: Replies | None = None  # reads self._conn's replies (RESP2)
         self._pool: Any = None  # the pool self._conn was made from
         self._pid = os.getpid()
         # what each reply still to come answers: a call's on_reply, or None for a SCRIPT LOAD
@@ -270,7 +297,7 @@ class ScriptSender:
         """In a forked child: a lock another thread of the parent held, and the parent's
         socket, are dropped (the socket is never written, nor closed, from here)."""
         self._lock = threading.Lock()
-        self._conn, self._pid = None, os.getpid()
+        self._conn, self._replies, self._pid = None, None, os.getpid()
         self._poll = self._polled = None
         self._waiting.clear()
         self._loaded.clear()
@@ -313,7 +340,7 @@ class ScriptSender:
             try:
                 while conn is not None and self._waiting:
                     left = deadline - time.monotonic()
-                    if left <= 0 or not conn.can_read(timeout=left):
+                    if left <= 0 or not self._readable(conn, left):
                         break
                     self._read_one(conn)
             except (redis.RedisError, OSError) as exc:
@@ -333,7 +360,15 @@ class ScriptSender:
             self._reset(BackendUnavailable("the store's client was replaced"))
         if self._conn is None:
             self._conn, self._pool = pool.make_connection(), pool
+            self._replies = replies_of(self._conn)
         return self._conn
+
+    def _readable(self, conn: Any, timeout_s: float) -> bool:
+        """True once a reply is there to read, waiting up to ``timeout_s``."""
+        replies = self._replies
+        if replies is None:
+            return bool(conn.can_read(timeout=timeout_s))
+        return wait_readable(socket_of(conn), replies, timeout_s)
 
     def _catch_up(self, conn: Any) -> None:
         """Wait for replies until half of ``max_unread`` are left: a store that stalls for a
@@ -342,7 +377,7 @@ class ScriptSender:
         deadline = time.monotonic() + timeout_s
         while len(self._waiting) > self.max_unread // 2:
             left = deadline - time.monotonic()
-            if left <= 0 or not conn.can_read(timeout=left):
+            if left <= 0 or not self._readable(conn, left):
                 self._reset(BackendUnavailable("the claim store did not answer in time"))
                 return
             self._read_one(conn)
@@ -353,7 +388,8 @@ class ScriptSender:
         sock = socket_of(conn)
         probe = True
         while self._waiting and sock is not None:
-            if not reply_there(conn, sock, self._poll_of(sock), probe=probe, waiting=True):
+            poll = self._poll_of(sock)
+            if not reply_there(conn, sock, poll, probe=probe, waiting=True, replies=self._replies):
                 return
             self._read_one(conn)
             probe = False
@@ -371,8 +407,9 @@ class ScriptSender:
 
     def _read_one(self, conn: Any) -> None:
         on_reply = self._waiting.popleft()
+        replies = self._replies
         try:
-            reply = conn.read_response()
+            reply = conn.read_response() if replies is None else replies.read()
         except redis.ResponseError as exc:
             if isinstance(exc, redis.exceptions.NoScriptError):
                 # the store lost its scripts (SCRIPT FLUSH, a restart): load them again
@@ -384,7 +421,7 @@ class ScriptSender:
                 on_reply(reply, None)
 
     def _reset(self, why: BaseException) -> None:
-        conn, self._conn = self._conn, None
+        conn, self._conn, self._replies = self._conn, None, None
         self._poll = self._polled = None
         waiting = [on_reply for on_reply in self._waiting if on_reply is not None]
         self._waiting.clear()
@@ -485,11 +522,12 @@ class ScriptCaller:
 class _Kept:
     """One connection of a :class:`ScriptCaller`, and the scripts loaded on it."""
 
-    __slots__ = ("_poll", "_polled", "conn", "loaded", "pool")
+    __slots__ = ("_poll", "_polled", "conn", "loaded", "pool", "replies")
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.conn = pool.make_connection()
+        self.replies = replies_of(self.conn)  # None: RESP3, read by redis-py
         self.loaded: set[str] = set()
         self._poll: Any = None  # a poll object with the connection's socket registered
         # that socket, weakly: a strong reference changed the order in which a cycle's
@@ -531,7 +569,15 @@ class _Kept:
         conn = self.conn
         sock = socket_of(conn)
         polled = self._polled
-        if sock is not None and polled is not None and polled() is sock and not self._poll.poll(0):
+        replies = self.replies
+        held = replies is not None and replies.held()
+        if (
+            sock is not None
+            and polled is not None
+            and polled() is sock
+            and not held
+            and not self._poll.poll(0)
+        ):
             # connected and nothing to read: neither closed by the server (EOF) nor holding a
             # reply nobody asked for. One poll(2); redis-py's can_read below costs three system
             # calls and about 13 µs more a call. A complete call leaves nothing in redis-py's
@@ -539,7 +585,7 @@ class _Kept:
             # (a timeout, a dropped connection) drops the connection with them.
             return
         try:
-            if conn.can_read(timeout=0):  # connects first where disconnected
+            if held or conn.can_read(timeout=0):  # connects first where disconnected
                 raise redis.ConnectionError("unexpected data on a kept connection")
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             conn.disconnect()
@@ -558,6 +604,9 @@ class _Kept:
 
     def _read(self, n: int) -> list[Any]:
         """The next ``n`` replies, errors too (the connection stays in step)."""
+        reader = self.replies
+        if reader is not None:
+            return [reader.read_any() for _ in range(n)]
         conn = self.conn
         replies: list[Any] = []
         for _ in range(n):
