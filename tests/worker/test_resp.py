@@ -5,7 +5,9 @@ command on a second connection of the same server, in both protocols redis-py sp
 and RESP3, redis-py 8's default) and with ``decode_responses`` on and off; then what redis-py
 does on a failure: an error reply raised at the top and returned inside an array, a
 ``ConnectionError`` error raised and the connection dropped, a timeout, a server that closed
-the connection, a reply split over many reads, push messages between replies, TLS.
+the connection, a reply split over many reads, push messages between replies, TLS; and when a
+reply is there to read (``held``, ``wait``, ``there``), which redis-py's ``can_read`` would
+answer by reading it into a buffer of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import redis
 import redis.exceptions as redis_errors
 
 from celery_claims.connection import socket_of
-from celery_claims.worker.transport.resp import Replies, replies_of
+from celery_claims.worker.transport.resp import Replies
 from tests.servers import RedisServer, TlsRedisServer, redis_server
 
 #: Lua replies of every kind a script of the package can give, and then some.
@@ -59,8 +61,7 @@ def pair(server: RedisServer, **options: Any) -> tuple[Any, Any]:
 def both(ours: Any, theirs: Any, *command: Any) -> tuple[Any, Any]:
     """``command``'s reply on each connection: read by :class:`Replies`, and by redis-py
     (an error reply as its exception, from both)."""
-    replies = replies_of(ours)
-    assert replies is not None
+    replies = Replies(ours)
     ours.send_command(*keyed(command, "resp-ours:"))
     theirs.send_command(*keyed(command, "resp-theirs:"))
     mine = replies.read_any()
@@ -187,6 +188,25 @@ def test_a_connection_the_server_closed_raises_a_connection_error(server: RedisS
     assert socket_of(ours) is None
 
 
+def test_wait_sees_a_reply_held_or_in_the_socket_and_the_stores_close(server: RedisServer) -> None:
+    ours, _ = pair(server)
+    replies = Replies(ours)
+    assert not replies.wait(0.05)  # nothing asked
+    ours.send_packed_command(ours.pack_commands([("ECHO", "a"), ("ECHO", "b")]))
+    assert replies.wait(2.0)
+    assert replies.read() == b"a"
+    assert replies.wait(0.0)  # held, or still in the socket
+    assert replies.read() == b"b"
+    assert not replies.there(None, probe=True, waiting=True)
+    ours.send_command("CLIENT", "ID")
+    client_id = replies.read()
+    server.client().client_kill_filter(_id=client_id)
+    assert replies.wait(2.0)  # the close is there to read: the read ends it
+    with pytest.raises(redis.ConnectionError):
+        replies.read()
+    assert not replies.wait(0.0)  # disconnected
+
+
 def test_replies_that_came_together_are_held_and_read_without_the_socket(
     server: RedisServer,
 ) -> None:
@@ -271,12 +291,3 @@ def test_bytes_that_are_no_reply_raise_invalid_response_and_drop_the_connection(
     with pytest.raises(redis_errors.InvalidResponse):
         replies.read()
     assert socket_of(ours) is None
-
-
-def test_a_protocol_redis_py_does_not_speak_keeps_redis_pys_reader(server: RedisServer) -> None:
-    ours, _ = pair(server)
-    ours.protocol = 4  # a future protocol: not this reader's
-    assert replies_of(ours) is None
-    ours.protocol = 2
-    assert isinstance(replies_of(ours), Replies)
-    ours.disconnect()

@@ -19,10 +19,11 @@ without blocking the consumer's event loop:
 - the socket is registered on the consumer's event loop (``hub.add_reader``, as kombu's
   Redis transport registers its ``BRPOP`` socket), and when it is readable the replies that
   came are read and handed to their calls' callbacks, in the order the calls were sent
-  (RESP replies are ordered): a ``poll(2)`` before the first, then those redis-py's parser
-  already holds (replies still in the socket make it readable again: the hub polls
-  level-triggered); a reply nobody asked for drops the connection. Calls are packed by the
-  package's packer (:func:`~celery_claims.worker.transport.sender.pack_call`);
+  (RESP replies are ordered): a ``poll(2)`` before the first, then those its reader already
+  holds (:class:`~celery_claims.worker.transport.resp.Replies`; replies still in the socket
+  make it readable again: the hub polls level-triggered); a reply nobody asked for drops the
+  connection. Calls are packed by the package's packer
+  (:func:`~celery_claims.worker.transport.sender.pack_call`);
 - on the solo pool (:class:`InlineStorePipe`) the body runs on the loop, so nothing overlaps
   a round trip: right after a call is sent the pipe waits a moment for its reply and hands it
   over at once, without more passes of the loop; a later reply is the loop's;
@@ -34,8 +35,10 @@ The connection is a redis-py ``Connection`` made by the claim manager's client (
 :func:`celery_claims.connect` made), so it reaches the store exactly as every other part of
 the package does: every URL form (``redis://``, ``rediss://`` with its TLS options, Unix
 sockets, a Sentinel-managed master, which it looks up again on every reconnect), credentials
-and database, the same timeouts (the read timeout is also how long a reply may take), and
-hiredis as the parser where it is installed (the ``hiredis`` extra). The first call of a
+and database, the same timeouts (the read timeout is also how long a reply may take). Its
+replies are read from its socket by the package's reader
+(:mod:`~celery_claims.worker.transport.resp`: the values redis-py's parser makes, for about
+half of its CPU). The first call of a
 script on a connection goes behind a ``SCRIPT LOAD`` in the same write, and ``NOSCRIPT`` (a
 store whose script cache was flushed) loads the script and sends the call again, in one write.
 
@@ -71,13 +74,8 @@ from celery_claims.claims.calls import MANY_MAX_CALLS, ScriptCall, many_call
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import DEFAULT_TIMEOUT_S, StoreUnusable, socket_of
 from celery_claims.errors import BackendError, BackendUnavailable, ClaimError
-from celery_claims.worker.transport.resp import Replies, replies_of
-from celery_claims.worker.transport.sender import (
-    pack_call,
-    pack_commands,
-    reply_there,
-    wait_readable,
-)
+from celery_claims.worker.transport.resp import Replies
+from celery_claims.worker.transport.sender import pack_call, pack_commands
 
 __all__ = ["ClusterPipe", "InlineStorePipe", "Outcome", "Pipe", "StorePipe", "consumer_pipe"]
 
@@ -90,7 +88,7 @@ Outcome = Any
 Redirect = Callable[[redis_errors.MovedError, ScriptCall[Any], Callable[[Outcome], None]], None]
 
 #: ``select.poll``, or None where the process has none (eventlet's monkey patching deletes it):
-#: the socket is then looked at with redis-py's ``can_read``.
+#: the socket is then looked at with ``select.select`` (``Replies.wait``).
 _POLL: Callable[[], Any] | None = getattr(select, "poll", None)
 
 #: Error replies that mean "the store cannot serve this now", not a bug. redis-py maps most of
@@ -182,7 +180,7 @@ class StorePipe:
     ) -> None:
         self.connection = connection
         # reads its replies (redis-py's read_response costs ~10 µs of Python a reply more)
-        self._replies = replies_of(connection)
+        self._replies = Replies(connection)
         self.hub = hub
         self.redirect = redirect
         self.timeout_s = float(
@@ -461,21 +459,14 @@ class StorePipe:
 
         The socket is looked at before the first reply only, unless ``each_time``: from the
         event loop, replies still in the socket after the first make it readable again (the
-        hub polls level-triggered), and those the parser holds are found without a system
+        hub polls level-triggered), and those its reader holds are found without a system
         call. Elsewhere (the overdue check) every reply that came is read now.
         """
         sock = self._sock
         probe = True
         while sock is not None and self._sock is sock:
             try:
-                ready = reply_there(
-                    self.connection,
-                    sock,
-                    self._poll,
-                    probe=probe,
-                    waiting=bool(self._pending),
-                    replies=self._replies,
-                )
+                ready = self._replies.there(self._poll, probe=probe, waiting=bool(self._pending))
             except (redis_errors.RedisError, OSError) as exc:
                 self._broken(exc)  # closed by the store, or reset
                 return
@@ -491,9 +482,7 @@ class StorePipe:
         while not done() and self._pending and self._sock is not None:
             remaining = self._pending[0].sent_at + self.timeout_s - time.monotonic()
             try:
-                ready = remaining > 0 and _reply_within(
-                    self.connection, self._sock, self._poll, remaining, self._replies
-                )
+                ready = remaining > 0 and _reply_within(self._replies, self._poll, remaining)
             except (redis_errors.RedisError, OSError) as exc:
                 self._broken(exc)
                 return
@@ -506,8 +495,7 @@ class StorePipe:
         """Read the next reply (it is there, or on its way) and hand it to its call."""
         sock = self._sock
         try:
-            replies = self._replies
-            reply: Any = self.connection.read_response() if replies is None else replies.read()
+            reply: Any = self._replies.read()
         except redis_errors.ResponseError as exc:
             reply = exc  # an error reply: the connection is fine
         except (redis_errors.RedisError, OSError) as exc:
@@ -607,9 +595,7 @@ class InlineStorePipe(StorePipe):
         sock, deadline = self._sock, time.monotonic() + self.wait_s
         while self._pending and sock is not None and self._sock is sock:
             try:
-                ready = _reply_within(
-                    self.connection, sock, self._poll, deadline - time.monotonic(), self._replies
-                )
+                ready = _reply_within(self._replies, self._poll, deadline - time.monotonic())
             except (redis_errors.RedisError, OSError) as exc:
                 self._broken(exc)
                 return
@@ -783,22 +769,9 @@ def _deliver(callback: Callable[[Outcome], None], outcome: Outcome) -> None:
         logger.exception("Claim store pipe: a reply callback failed")
 
 
-def _reply_within(
-    connection: Any,
-    sock: socket.socket,
-    poll: Any,
-    timeout_s: float,
-    replies: Replies | None = None,
-) -> bool:
-    """True if a reply is there to read on ``connection`` (its socket ``sock``, registered in
-    ``poll``, or None) within ``timeout_s``: one its reader (``replies``, else redis-py's
-    parser) holds already, or one that comes in the socket by then."""
-    if replies is not None:
-        if poll is None or replies.held():
-            return wait_readable(sock, replies, timeout_s)
-    elif reply_there(connection, sock, None, probe=False, waiting=True):
-        return True
-    timeout_s = max(timeout_s, 0.0)  # poll(2) with a negative timeout waits for ever
-    if poll is not None:
-        return bool(poll.poll(timeout_s * 1000.0))
-    return bool(connection.can_read(timeout=timeout_s))
+def _reply_within(replies: Replies, poll: Any, timeout_s: float) -> bool:
+    """True if a reply is there to read within ``timeout_s``: one ``replies`` holds already,
+    or one that comes in the socket (registered in ``poll``, or None) by then."""
+    if poll is None or replies.held():
+        return replies.wait(timeout_s)
+    return bool(poll.poll(max(timeout_s, 0.0) * 1000.0))  # negative: for ever

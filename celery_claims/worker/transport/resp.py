@@ -31,9 +31,11 @@ handshake) is still redis-py's, and a reconnected socket starts with an empty bu
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -41,7 +43,7 @@ import redis.exceptions as redis_errors
 
 from celery_claims.connection import socket_of
 
-__all__ = ["Replies", "replies_of"]
+__all__ = ["Replies"]
 
 #: Most bytes one ``recv(2)`` takes (replies of a batch of script calls fit in far less).
 READ_SIZE = 65536
@@ -49,19 +51,15 @@ READ_SIZE = 65536
 CLOSED = "Connection closed by server."
 
 
+#: ``select.poll``, or None where the process has none (eventlet's monkey patching deletes it).
+_POLL: Callable[[], Any] | None = getattr(select, "poll", None)
+
+
 class _More(Exception):
     """The buffer ends inside a reply: read more and parse it again from its start."""
 
 
 _MORE = _More()
-
-
-def replies_of(connection: Any) -> Replies | None:
-    """A :class:`Replies` for ``connection`` (a redis-py ``Connection``), or None where its
-    replies must stay redis-py's to read: a protocol other than RESP2 and RESP3."""
-    if getattr(connection, "protocol", 2) not in (2, "2", 3, "3", None):
-        return None
-    return Replies(connection)
 
 
 class Replies:
@@ -90,6 +88,36 @@ class Replies:
             return True
         sock = self._sock
         return isinstance(sock, ssl.SSLSocket) and bool(sock.pending())
+
+    def there(self, poll: Any, *, probe: bool, waiting: bool) -> bool:
+        """True if a reply (or the store's close) is there to read: held here (or by TLS),
+        or, if ``probe``, in the socket: one ``poll(0)`` of ``poll`` (the socket registered
+        in it, or None) where calls wait for replies (``waiting``), else :meth:`wait` of 0."""
+        polled = probe and waiting and poll is not None
+        if polled and poll.poll(0):
+            return True  # one poll(2); a store's close, too, ends in the read
+        if self.held():
+            return True
+        if polled or not probe:
+            return False
+        return self.wait(0.0)
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once a reply (or the store's close) is there to read, waiting up to
+        ``timeout_s``; False at once while disconnected. (redis-py's ``can_read`` would read
+        the bytes into its own buffer, where they are lost to this reader.)"""
+        if self.held():
+            return True
+        sock = socket_of(self.connection)
+        if sock is None:
+            return False
+        timeout_s = max(timeout_s, 0.0)
+        if _POLL is not None:
+            poll = _POLL()
+            poll.register(sock, select.POLLIN)
+            return bool(poll.poll(timeout_s * 1000.0))
+        readable, _, _ = select.select([sock], [], [], timeout_s)
+        return bool(readable)
 
     def read(self) -> Any:
         """The next reply, waiting for it as long as the socket's timeout allows.
@@ -202,39 +230,47 @@ class Replies:
             if kind == 95:  # "_" a nil (RESP3)
                 return None, end + 2
             if kind == 45 or kind == 33:  # "-" an error, "!" a long one
-                if kind == 45:
-                    text, after = buf[pos + 1 : end], end + 2
-                else:
-                    start = end + 2
-                    after = start + _int(buf, pos, end)
-                    if len(buf) < after + 2:
-                        raise _MORE
-                    text, after = buf[start:after], after + 2
-                error = self._parse_error(text.decode("utf-8", errors="replace"))
-                if isinstance(error, redis_errors.ConnectionError):
-                    raise error
-                return error, after
+                return self._error(buf, pos, end)
             if kind == 35:  # "#" a boolean
                 return buf[pos + 1 : end] == b"t", end + 2
             if kind == 44:  # "," a double
-                try:
-                    return float(buf[pos + 1 : end]), end + 2
-                except ValueError:
-                    raise _invalid(buf, pos, end) from None
+                return _float(buf, pos, end), end + 2
             if kind == 37:  # "%" a map
-                count = _int(buf, pos, end)
                 found: dict[Any, Any] = {}
-                pos = end + 2
-                for _ in range(count):
-                    key, pos = self._parse(buf, pos, pushes)
-                    found[key], pos = self._parse(buf, pos, pushes)
-                return found, pos
+                after = end + 2
+                for _ in range(_int(buf, pos, end)):
+                    key, after = self._parse(buf, after, pushes)
+                    found[key], after = self._parse(buf, after, pushes)
+                return found, after
             raise _invalid(buf, pos, end)
+
+    def _error(self, buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+        """An error reply (``-`` or RESP3's ``!``) as redis-py's parser makes it: returned,
+        or raised where it is a ``ConnectionError``."""
+        if buf[pos] == 45:
+            text, after = buf[pos + 1 : end], end + 2
+        else:
+            start = end + 2
+            stop = start + _int(buf, pos, end)
+            if len(buf) < stop + 2:
+                raise _MORE
+            text, after = buf[start:stop], stop + 2
+        error = self._parse_error(text.decode("utf-8", errors="replace"))
+        if isinstance(error, redis_errors.ConnectionError):
+            raise error
+        return error, after
 
 
 def _int(buf: bytes, pos: int, end: int) -> int:
     try:
         return int(buf[pos + 1 : end])
+    except ValueError:
+        raise _invalid(buf, pos, end) from None
+
+
+def _float(buf: bytes, pos: int, end: int) -> float:
+    try:
+        return float(buf[pos + 1 : end])
     except ValueError:
         raise _invalid(buf, pos, end) from None
 

@@ -28,7 +28,6 @@ import functools
 import os
 import select
 import socket
-import ssl
 import threading
 import time
 import weakref
@@ -42,7 +41,7 @@ from celery_claims.claims.calls import ScriptCall
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import socket_of
 from celery_claims.errors import BackendUnavailable, InvalidArgument
-from celery_claims.worker.transport.resp import Replies, replies_of
+from celery_claims.worker.transport.resp import Replies
 
 __all__ = [
     "ScriptCaller",
@@ -50,7 +49,6 @@ __all__ = [
     "keep_calls",
     "pack_call",
     "pack_commands",
-    "reply_there",
     "usable",
 ]
 
@@ -88,56 +86,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def reply_there(
-    connection: Any,
-    sock: socket.socket,
-    poll: Any,
-    *,
-    probe: bool,
-    waiting: bool,
-    replies: Replies | None = None,
-) -> bool:
-    """True if a reply (or the store's close) is there to read on ``connection`` (its socket
-    ``sock``, registered in ``poll``, or None): in the socket, if ``probe``, or held by
-    the reader of its replies (``replies``, else redis-py's parser), or by TLS. ``waiting``:
-    calls wait for replies."""
-    polled = probe and waiting and poll is not None
-    if polled and poll.poll(0):
-        # one poll(2), where can_read sets the socket's timeout twice around a recv(2):
-        # read_response then reads what came (a store's close, too, ends it there)
-        return True
-    if replies is not None:
-        if replies.held():
-            return True
-        if polled or not probe:
-            return False
-        return wait_readable(sock, replies, 0.0)
-    buffer = getattr(connection._parser, "_buffer", None)  # redis-py's Python parser
-    unread = getattr(buffer, "unread_bytes", None)
-    if unread is None:
-        # another parser (hiredis, which reads ahead): its can_read looks at what it
-        # holds first, then at the socket
-        return bool(connection.can_read(timeout=0))
-    if unread() or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
-        return True
-    if polled or not probe:
-        return False
-    # nothing asked for (or no poll): can_read raises if the store closed the connection
-    return bool(connection.can_read(timeout=0))
-
-
-def wait_readable(sock: socket.socket | None, replies: Replies, timeout_s: float) -> bool:
-    """True once a reply (or the store's close) is there to read on a connection whose
-    replies ``replies`` reads (its socket ``sock``), waiting up to ``timeout_s``: redis-py's
-    ``can_read`` would read them into its own buffer, where ``replies`` never sees them."""
-    if replies.held():
-        return True
-    if sock is None:
-        return False
-    readable, _, _ = select.select([sock], [], [], max(timeout_s, 0.0))
-    return bool(readable)
 
 
 def usable(client: Any) -> bool:
@@ -340,7 +288,7 @@ class ScriptSender:
             try:
                 while conn is not None and self._waiting:
                     left = deadline - time.monotonic()
-                    if left <= 0 or not self._readable(conn, left):
+                    if left <= 0 or not self._readable(left):
                         break
                     self._read_one(conn)
             except (redis.RedisError, OSError) as exc:
@@ -360,15 +308,12 @@ class ScriptSender:
             self._reset(BackendUnavailable("the store's client was replaced"))
         if self._conn is None:
             self._conn, self._pool = pool.make_connection(), pool
-            self._replies = replies_of(self._conn)
+            self._replies = Replies(self._conn)
         return self._conn
 
-    def _readable(self, conn: Any, timeout_s: float) -> bool:
+    def _readable(self, timeout_s: float) -> bool:
         """True once a reply is there to read, waiting up to ``timeout_s``."""
-        replies = self._replies
-        if replies is None:
-            return bool(conn.can_read(timeout=timeout_s))
-        return wait_readable(socket_of(conn), replies, timeout_s)
+        return self._replies is not None and self._replies.wait(timeout_s)
 
     def _catch_up(self, conn: Any) -> None:
         """Wait for replies until half of ``max_unread`` are left: a store that stalls for a
@@ -377,19 +322,19 @@ class ScriptSender:
         deadline = time.monotonic() + timeout_s
         while len(self._waiting) > self.max_unread // 2:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._readable(conn, left):
+            if left <= 0 or not self._readable(left):
                 self._reset(BackendUnavailable("the claim store did not answer in time"))
                 return
             self._read_one(conn)
 
     def _read_arrived(self, conn: Any) -> None:
-        """Read the replies that came, without waiting: one ``poll(2)``, then those
-        redis-py's parser holds after the first read."""
+        """Read the replies that came, without waiting: one ``poll(2)``, then those its
+        reader holds after the first read."""
         sock = socket_of(conn)
         probe = True
-        while self._waiting and sock is not None:
-            poll = self._poll_of(sock)
-            if not reply_there(conn, sock, poll, probe=probe, waiting=True, replies=self._replies):
+        replies = self._replies
+        while self._waiting and sock is not None and replies is not None:
+            if not replies.there(self._poll_of(sock), probe=probe, waiting=True):
                 return
             self._read_one(conn)
             probe = False
@@ -409,7 +354,9 @@ class ScriptSender:
         on_reply = self._waiting.popleft()
         replies = self._replies
         try:
-            reply = conn.read_response() if replies is None else replies.read()
+            if replies is None:
+                raise BackendUnavailable("no connection to read the reply from")
+            reply = replies.read()
         except redis.ResponseError as exc:
             if isinstance(exc, redis.exceptions.NoScriptError):
                 # the store lost its scripts (SCRIPT FLUSH, a restart): load them again
@@ -527,7 +474,7 @@ class _Kept:
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.conn = pool.make_connection()
-        self.replies = replies_of(self.conn)  # None: RESP3, read by redis-py
+        self.replies = Replies(self.conn)
         self.loaded: set[str] = set()
         self._poll: Any = None  # a poll object with the connection's socket registered
         # that socket, weakly: a strong reference changed the order in which a cycle's
@@ -569,8 +516,7 @@ class _Kept:
         conn = self.conn
         sock = socket_of(conn)
         polled = self._polled
-        replies = self.replies
-        held = replies is not None and replies.held()
+        held = self.replies.held()
         if (
             sock is not None
             and polled is not None
@@ -580,12 +526,14 @@ class _Kept:
         ):
             # connected and nothing to read: neither closed by the server (EOF) nor holding a
             # reply nobody asked for. One poll(2); redis-py's can_read below costs three system
-            # calls and about 13 µs more a call. A complete call leaves nothing in redis-py's
+            # calls and about 13 µs more a call. A complete call leaves nothing in its reader's
             # buffer either: every call reads exactly its replies, and a call that fails to
             # (a timeout, a dropped connection) drops the connection with them.
             return
         try:
-            if held or conn.can_read(timeout=0):  # connects first where disconnected
+            # (can_read connects first where disconnected; what it reads is dropped with
+            # the connection, never read as a reply)
+            if held or conn.can_read(timeout=0):
                 raise redis.ConnectionError("unexpected data on a kept connection")
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             conn.disconnect()
@@ -604,17 +552,8 @@ class _Kept:
 
     def _read(self, n: int) -> list[Any]:
         """The next ``n`` replies, errors too (the connection stays in step)."""
-        reader = self.replies
-        if reader is not None:
-            return [reader.read_any() for _ in range(n)]
-        conn = self.conn
-        replies: list[Any] = []
-        for _ in range(n):
-            try:
-                replies.append(conn.read_response())
-            except redis.ResponseError as exc:
-                replies.append(exc)
-        return replies
+        read = self.replies.read_any
+        return [read() for _ in range(n)]
 
     def _send(self, call: ScriptCall[Any]) -> Any:
         """Write ``call`` and read every reply it gets; returns the script's reply, or the
