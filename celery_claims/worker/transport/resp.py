@@ -12,8 +12,9 @@ the same bytes:
 
 - an integer (or RESP3's big number) as ``int``; a bulk, verbatim or simple string as
   ``bytes`` (``str``, decoded as redis-py's encoder would, where the client has
-  ``decode_responses``); a nil as ``None``; an array or a set as a ``list``; a map as a
-  ``dict``; a boolean and a double as ``bool`` and ``float``;
+  ``decode_responses``); a nil as ``None``; an array as a ``list``; a map as a ``dict``; a
+  boolean and a double as ``bool`` and ``float``; a set as a ``list``, as redis-py 8 makes
+  it (redis-py 5 made a ``set``; no reply the package reads is a set);
 - an error reply as the exception redis-py's parser of that connection makes of it
   (``parse_error``: ``NoScriptError``, ``MovedError`` and so on): a ``ResponseError`` is
   returned inside an array and raised at the top, as redis-py does; a ``ConnectionError``
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+import redis.connection
 import redis.exceptions as redis_errors
 
 from celery_claims.connection import socket_of
@@ -53,6 +55,16 @@ CLOSED = "Connection closed by server."
 
 #: ``select.poll``, or None where the process has none (eventlet's monkey patching deletes it).
 _POLL: Callable[[], Any] | None = getattr(select, "poll", None)
+
+
+#: The clock of redis-py's health checks: ``time.time`` up to redis-py 5 (its ``connection``
+#: module imports the function), ``time.monotonic`` since (it imports the module).
+def _health_clock() -> Callable[[], float]:
+    found: Any = getattr(redis.connection, "time", None)
+    return found if callable(found) else time.monotonic
+
+
+_HEALTH_CLOCK = _health_clock()
 
 
 class _More(Exception):
@@ -172,7 +184,9 @@ class Replies:
             self._pushed(pushes)
         interval = getattr(conn, "health_check_interval", 0)
         if interval:
-            conn.next_health_check = time.monotonic() + interval  # as read_response does
+            # as read_response does: a connection in use is not PINGed (a PING to a store
+            # that stalls would fail a call that could wait for it)
+            conn.next_health_check = _HEALTH_CLOCK() + interval
         return reply
 
     def _pushed(self, pushes: list[list[Any]]) -> None:
