@@ -80,7 +80,7 @@ class Replies:
     Not thread-safe: its owner reads for one thread at a time, as it writes.
     """
 
-    __slots__ = ("_buf", "_decode", "_parse_error", "_sock", "connection")
+    __slots__ = ("_buf", "_decode", "_sock", "connection")
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
@@ -88,10 +88,6 @@ class Replies:
         self._buf = b""
         encoder = connection.encoder
         self._decode = encoder.decode if encoder.decode_responses else None
-        parser = getattr(connection, "_parser", None)
-        # the connection's own parser class knows its error codes (a cluster node's knows
-        # MOVED and ASK); redis-py's ResponseError where it has none
-        self._parse_error = getattr(parser, "parse_error", None) or redis.ResponseError
 
     def held(self) -> bool:
         """True if bytes of a reply came and are held here, not yet handed out (a socket
@@ -269,7 +265,10 @@ class Replies:
             if len(buf) < stop + 2:
                 raise _MORE
             text, after = buf[start:stop], stop + 2
-        error = self._parse_error(text.decode("utf-8", errors="replace"))
+        # the connection's parser as of now knows its error codes (a cluster node's knows
+        # MOVED and ASK; redis-py 5 sets it when the node connects); else a ResponseError
+        parse = getattr(getattr(self.connection, "_parser", None), "parse_error", None)
+        error = (parse or redis.ResponseError)(text.decode("utf-8", errors="replace"))
         if isinstance(error, redis_errors.ConnectionError):
             raise error
         return error, after
