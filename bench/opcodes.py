@@ -1,7 +1,7 @@
 """Where a worker's main thread spends its Python work per message, function by function.
 
     python bench/opcodes.py [--pools solo,prefork] [--variants claims] [--baseline TREE]
-                            [--tasks 100,400] [--top 40]
+                            [--tasks 100,400] [--top 40] [--pool-processes]
 
 callgrind (``bench/counts.py``) counts machine instructions, but names C functions only:
 every Python function is ``_PyEval_EvalFrameDefault`` to it. This runs the same worker as
@@ -9,7 +9,9 @@ every Python function is ``_PyEval_EvalFrameDefault`` to it. This runs the same 
 ``redis-server``s) with a trace function on its main thread (``opcodes_hook/sitecustomize.py``,
 ``sys.settrace`` with opcode events) and prints, per message, the bytecodes each Python
 function ran and its calls: the difference of two batches (``--tasks``), so that the worker's
-start and stop cancel out. Deterministic, as callgrind's counts are (bytecodes, not time; C
+start and stop cancel out. ``--pool-processes`` counts a prefork worker's pool processes
+instead (where the guard around each body and its settle run), every process summed.
+Deterministic, as callgrind's counts are (bytecodes, not time; C
 work such as ``json`` or ``pickle`` is not in them). ``--baseline TREE`` runs the same
 variants from another checkout and prints the functions whose counts differ most, matched by
 file (the package's, with its folder dropped: a function moved from ``worker/gate.py`` to
@@ -61,8 +63,18 @@ def traced(variant: str, pool: str, tasks: int, logs: Path) -> dict[str, list[in
             publisher.close()
             broker.close()
     del os.environ["BENCH_OPCODES"]
-    found: dict[str, list[int]] = json.loads(out.read_text())
-    return found
+    if not os.environ.get("BENCH_OPCODES_POOL"):
+        found: dict[str, list[int]] = json.loads(out.read_text())
+        return found
+    merged: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # every pool process's
+    files = list(logs.glob(f"{out.name}.*"))
+    if not files:
+        raise SystemExit(f"no pool process wrote its counts ({out}.<pid>)")
+    for path in files:
+        for name, (ops, calls) in json.loads(path.read_text()).items():
+            merged[name][0] += ops
+            merged[name][1] += calls
+    return dict(merged)
 
 
 def per_message(variant: str, pool: str, sizes: tuple[int, int], logs: Path) -> Counts:
@@ -87,7 +99,16 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="a checkout of an earlier commit")
     parser.add_argument("--tasks", default="100,400", help="the two batch sizes")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument(
+        "--pool-processes",
+        action="store_true",
+        help="count the prefork pool processes (where the guard and its settle run) instead "
+        "of the main thread",
+    )
     opts = parser.parse_args()
+    if opts.pool_processes:
+        os.environ["BENCH_OPCODES_POOL"] = "1"
+        opts.pools = "prefork"
     small, large = (int(n) for n in opts.tasks.split(","))
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(HOOK), os.environ.get("PYTHONPATH")])
