@@ -57,13 +57,13 @@ CLOSED = "Connection closed by server."
 _POLL: Callable[[], Any] | None = getattr(select, "poll", None)
 
 
-#: The clock of redis-py's health checks: ``time.time`` up to redis-py 5 (its ``connection``
-#: module imports the function), ``time.monotonic`` since (it imports the module).
 def _health_clock() -> Callable[[], float]:
     found: Any = getattr(redis.connection, "time", None)
     return found if callable(found) else time.monotonic
 
 
+#: The clock of redis-py's health checks: ``time.time`` up to redis-py 5 (its ``connection``
+#: module imports the function), ``time.monotonic`` since (it imports the module).
 _HEALTH_CLOCK = _health_clock()
 
 
@@ -174,7 +174,7 @@ class Replies:
                 f"Error while reading from {_host(conn)} : {exc.args}"
             ) from exc
         except BaseException:
-            self._drop()  # a ConnectionError reply, a reply that is not RESP2
+            self._drop()  # a ConnectionError reply, bytes that are no RESP reply
             raise
         if pushes:
             self._pushed(pushes)
