@@ -7,12 +7,14 @@ in order, even where redis-py's health check would PING a connection idle for a 
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
 import redis
 
 from celery_claims.claims.calls import ScriptCall
+from celery_claims.connection import socket_of
 from celery_claims.worker.transport.sender import IDLE_S, ScriptSender
 from tests.servers import RedisServer
 
@@ -30,6 +32,26 @@ def _sent(client: redis.Redis, before: int, n: int) -> None:
     while _calls(client) < before + n:
         assert time.monotonic() < deadline, "the store did not run the calls"
         time.sleep(0.01)
+
+
+def _answered(sender: ScriptSender, nbytes: int) -> None:
+    """Wait until ``nbytes`` of replies are in the sender's socket: the store counts a call
+    when it runs it and writes its reply later, so a loaded machine can have the one without
+    the other (``_sent`` alone let a poll find no reply yet)."""
+    sock = socket_of(sender._conn)
+    assert sock is not None
+    deadline = time.monotonic() + 10
+    while _in_socket(sock, nbytes) < nbytes:
+        assert time.monotonic() < deadline, "the replies did not come"
+        time.sleep(0.01)
+
+
+def _in_socket(sock: socket.socket, nbytes: int) -> int:
+    """Bytes waiting in ``sock`` (up to ``nbytes``), left there."""
+    try:
+        return len(sock.recv(nbytes, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return 0
 
 
 def _calls(client: redis.Redis) -> int:
@@ -54,6 +76,7 @@ def test_replies_are_read_once_read_every_of_them_wait_each_by_its_own_call(
         for call in calls[1:5]:
             sender.send(client, call)
         _sent(client, before, 4)
+        _answered(sender, 4 * len(b"$2\r\nc1\r\n"))
 
         # Then their replies are not read yet
         assert replies == [b"c0"]
