@@ -5,6 +5,11 @@ process group (main process and pool children) like a crashed host, and the fixt
 finalizer kills every group it started, whatever the test's outcome. On Linux each one also
 asks the kernel to SIGKILL it when the test process dies (``PR_SET_PDEATHSIG``), so a test run
 killed from outside, where no finalizer runs, leaves no worker behind.
+
+Each test's processes log to a folder of its own (``/tmp/claims-fleet-*``), removed at the
+end; with ``CLAIMS_TEST_KEEP_FLEET=1`` in the environment it is kept (and its path printed),
+to read every process's whole log after an intermittent failure (debugging only: nothing
+removes those folders afterwards).
 """
 
 from __future__ import annotations
@@ -209,6 +214,9 @@ class Fleet:
         for client in self._clients:
             with contextlib.suppress(Exception):
                 client.close()
+        if os.environ.get("CLAIMS_TEST_KEEP_FLEET") == "1":
+            print(f"fleet logs kept in {self.dir}", file=sys.stderr)
+            return
         # the logs went into any failure's message (``logs()``); nothing is left in /tmp
         shutil.rmtree(self.dir, ignore_errors=True)
 

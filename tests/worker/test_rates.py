@@ -17,10 +17,18 @@ import pytest
 import redis
 from kombu import Connection
 
+from celery_claims.model import AlreadyDone
 from tests.cli.conftest import json_of, run_cli
 from tests.cli.test_metrics import scrape, total
 from tests.servers import RedisServer, free_port
-from tests.worker.helpers import HELD_RECHECK_MS, LEASE_MS, RENEW_INTERVAL_MS, unique, wait_for
+from tests.worker.helpers import (
+    HELD_RECHECK_MS,
+    LEASE_MS,
+    RENEW_INTERVAL_MS,
+    unique,
+    wait_done,
+    wait_for,
+)
 from tests.worker.processes import Fleet, Proc
 
 pytestmark = pytest.mark.slow
@@ -267,8 +275,20 @@ def test_a_worker_killed_mid_batch_loses_nothing_and_the_rate_still_holds(
 
     # Then every task completes (a's copies come back and are taken over), none ran twice
     # after completing, and never more than 10 started in any second
+    store = fleet.claims(broker)
+    unstored = []
     for result in results:
-        result.get(timeout=50)
+        record = wait_done(store, queue, f"{result.id}:0:0", timeout=50)
+        assert isinstance(record, AlreadyDone), record
+        if record.owner.startswith("b@") or result.ready():
+            result.get(timeout=10)  # b stores its results right after their records
+        else:
+            unstored.append(result.id)
+    # a task whose body a ended just before the kill may have no result: a records the
+    # completion as the body returns, before Celery stores the result, and it never runs
+    # again (docs/semantics.md, "What is left"): at most a's pool of 2 (seen 1 in ~20 runs
+    # under load, its record 2 ms before the kill)
+    assert len(unstored) <= 2, unstored
     starts = _starts(backend, queue, "rates.tick")
     ids = Counter(e["id"] for e in starts)
     assert set(ids) == {f"t-{i}" for i in range(60)}
