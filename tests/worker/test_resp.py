@@ -212,6 +212,25 @@ def test_wait_sees_a_reply_held_or_in_the_socket_and_the_stores_close(server: Re
     assert not replies.wait(0.0)  # disconnected
 
 
+def test_bytes_held_from_a_socket_dropped_by_another_hand_are_never_read_as_a_reply(
+    server: RedisServer,
+) -> None:
+    """A pipe's timer or a health check may drop and reconnect the connection while a reply
+    of the old socket is held here: nothing is held for the new socket, and its first reply
+    is read as its own."""
+    ours, _ = pair(server)
+    replies = Replies(ours)
+    ours.send_packed_command(ours.pack_commands([("ECHO", "old-1"), ("ECHO", "old-2")]))
+    assert replies.read() == b"old-1"
+    assert replies.held()  # "old-2" came in the same segment
+    ours.disconnect()
+    ours.connect()
+    assert not replies.held()
+    ours.send_command("ECHO", "new")
+    assert replies.read() == b"new"
+    ours.disconnect()
+
+
 def test_replies_that_came_together_are_held_and_read_without_the_socket(
     server: RedisServer,
 ) -> None:

@@ -92,9 +92,14 @@ class Replies:
     def held(self) -> bool:
         """True if bytes of a reply came and are held here, not yet handed out (a socket
         ``poll`` no longer sees them): a reply, or its first part, is there to read."""
+        sock = self._sock
+        if sock is not socket_of(self.connection):
+            # dropped or connected again by another hand (a timer, a health check): what
+            # the old socket left here is no reply of the new one
+            self._sock, self._buf = None, b""
+            return False
         if self._buf:
             return True
-        sock = self._sock
         return isinstance(sock, ssl.SSLSocket) and bool(sock.pending())
 
     def there(self, poll: Any, *, probe: bool, waiting: bool) -> bool:

@@ -231,7 +231,7 @@ class ScriptSender:
         self._polled: weakref.ref[socket.socket] | None = None
         self._lock = threading.Lock()
         self._conn: Any = None
-        self._replies: Replies | None = None  # reads self._conn's replies (RESP2)
+        self._replies: Replies | None = None  # reads self._conn's replies
         self._pool: Any = None  # the pool self._conn was made from
         self._pid = os.getpid()
         # what each reply still to come answers: a call's on_reply, or None for a SCRIPT LOAD
@@ -355,7 +355,7 @@ class ScriptSender:
         replies = self._replies
         try:
             if replies is None:
-                raise BackendUnavailable("no connection to read the reply from")
+                raise redis.ConnectionError("no connection to read the reply from")
             reply = replies.read()
         except redis.ResponseError as exc:
             if isinstance(exc, redis.exceptions.NoScriptError):
