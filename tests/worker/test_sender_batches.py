@@ -38,7 +38,8 @@ def _answered(sender: ScriptSender, nbytes: int) -> None:
     """Wait until ``nbytes`` of replies are in the sender's socket: the store counts a call
     when it runs it and writes its reply later, so a loaded machine can have the one without
     the other (``_sent`` alone let a poll find no reply yet)."""
-    sock = socket_of(sender._conn)
+    assert sender._replies is not None
+    sock = socket_of(sender._replies.connection)
     assert sock is not None
     deadline = time.monotonic() + 10
     while _in_socket(sock, nbytes) < nbytes:

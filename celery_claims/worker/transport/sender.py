@@ -230,9 +230,9 @@ class ScriptSender:
         self._poll: Any = None
         self._polled: weakref.ref[socket.socket] | None = None
         self._lock = threading.Lock()
-        self._conn: Any = None
-        self._replies: Replies | None = None  # reads self._conn's replies
-        self._pool: Any = None  # the pool self._conn was made from
+        # the connection (its ``connection``), and the reader of its replies
+        self._replies: Replies | None = None
+        self._pool: Any = None  # the pool the connection was made from
         self._pid = os.getpid()
         # what each reply still to come answers: a call's on_reply, or None for a SCRIPT LOAD
         self._waiting: deque[OnReply | None] = deque()
@@ -245,7 +245,7 @@ class ScriptSender:
         """In a forked child: a lock another thread of the parent held, and the parent's
         socket, are dropped (the socket is never written, nor closed, from here)."""
         self._lock = threading.Lock()
-        self._conn, self._replies, self._pid = None, None, os.getpid()
+        self._replies, self._pid = None, os.getpid()
         self._poll = self._polled = None
         self._waiting.clear()
         self._loaded.clear()
@@ -264,10 +264,11 @@ class ScriptSender:
             raise InvalidArgument("client", "a standalone redis.Redis client is needed")
         with self._lock:
             try:
-                conn = self._connection(client)
+                replies = self._connection(client)
+                conn = replies.connection
                 now = time.monotonic()
                 if len(self._waiting) >= self.read_every or now - self._sent_at > IDLE_S:
-                    self._read_arrived(conn)
+                    self._read_arrived(replies)
                 self._sent_at = now
                 commands = _script_commands(call, self._loaded, conn)
                 # redis-py's health check (a PING on a connection idle for a while) would
@@ -275,7 +276,7 @@ class ScriptSender:
                 conn.send_packed_command([b"".join(commands)], check_health=not self._waiting)
                 self._waiting.extend([None] * (len(commands) - 1) + [on_reply or self.on_reply])
                 if len(self._waiting) > self.max_unread:
-                    self._catch_up(conn)
+                    self._catch_up(replies)
             except (redis.RedisError, OSError) as exc:
                 self._reset(exc)
                 raise BackendUnavailable(f"could not send to the claim store: {exc!r}") from exc
@@ -284,13 +285,13 @@ class ScriptSender:
         """Read the replies still to come, waiting up to ``timeout_s``; returns those left."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            conn = self._conn if self._pid == os.getpid() else None
+            replies = self._replies if self._pid == os.getpid() else None
             try:
-                while conn is not None and self._waiting:
+                while replies is not None and self._waiting:
                     left = deadline - time.monotonic()
-                    if left <= 0 or not self._readable(left):
+                    if left <= 0 or not replies.wait(left):
                         break
-                    self._read_one(conn)
+                    self._read_one(replies)
             except (redis.RedisError, OSError) as exc:
                 self._reset(exc)
             return len(self._waiting)
@@ -300,43 +301,38 @@ class ScriptSender:
         with self._lock:
             self._reset(BackendUnavailable("the sender was closed before the reply came"))
 
-    def _connection(self, client: Any) -> Any:
+    def _connection(self, client: Any) -> Replies:
+        """The reader of the connection's replies (the connection its ``connection``)."""
         if self._pid != os.getpid():
             self._forked()  # forked without the hook (os.fork is not the only way)
         pool = client.connection_pool
-        if self._conn is not None and self._pool is not pool:
+        if self._replies is not None and self._pool is not pool:
             self._reset(BackendUnavailable("the store's client was replaced"))
-        if self._conn is None:
-            self._conn, self._pool = pool.make_connection(), pool
-            self._replies = Replies(self._conn)
-        return self._conn
+        if self._replies is None:
+            self._replies, self._pool = Replies(pool.make_connection()), pool
+        return self._replies
 
-    def _readable(self, timeout_s: float) -> bool:
-        """True once a reply is there to read, waiting up to ``timeout_s``."""
-        return self._replies is not None and self._replies.wait(timeout_s)
-
-    def _catch_up(self, conn: Any) -> None:
+    def _catch_up(self, replies: Replies) -> None:
         """Wait for replies until half of ``max_unread`` are left: a store that stalls for a
         moment (a fork, a slow fsync) slows the sender down, and loses none of its writes."""
-        timeout_s = conn.socket_timeout or CATCH_UP_TIMEOUT_S
+        timeout_s = replies.connection.socket_timeout or CATCH_UP_TIMEOUT_S
         deadline = time.monotonic() + timeout_s
         while len(self._waiting) > self.max_unread // 2:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._readable(left):
+            if left <= 0 or not replies.wait(left):
                 self._reset(BackendUnavailable("the claim store did not answer in time"))
                 return
-            self._read_one(conn)
+            self._read_one(replies)
 
-    def _read_arrived(self, conn: Any) -> None:
+    def _read_arrived(self, replies: Replies) -> None:
         """Read the replies that came, without waiting: one ``poll(2)``, then those its
         reader holds after the first read."""
-        sock = socket_of(conn)
+        sock = socket_of(replies.connection)
         probe = True
-        replies = self._replies
-        while self._waiting and sock is not None and replies is not None:
+        while self._waiting and sock is not None:
             if not replies.there(self._poll_of(sock), probe=probe, waiting=True):
                 return
-            self._read_one(conn)
+            self._read_one(replies)
             probe = False
 
     def _poll_of(self, sock: socket.socket) -> Any:
@@ -350,12 +346,9 @@ class ScriptSender:
             self._polled = weakref.ref(sock)
         return self._poll
 
-    def _read_one(self, conn: Any) -> None:
+    def _read_one(self, replies: Replies) -> None:
         on_reply = self._waiting.popleft()
-        replies = self._replies
         try:
-            if replies is None:
-                raise redis.ConnectionError("no connection to read the reply from")
             reply = replies.read()
         except redis.ResponseError as exc:
             if isinstance(exc, redis.exceptions.NoScriptError):
@@ -368,16 +361,16 @@ class ScriptSender:
                 on_reply(reply, None)
 
     def _reset(self, why: BaseException) -> None:
-        conn, self._conn, self._replies = self._conn, None, None
+        replies, self._replies = self._replies, None
         self._poll = self._polled = None
         waiting = [on_reply for on_reply in self._waiting if on_reply is not None]
         self._waiting.clear()
         self._loaded.clear()
         for on_reply in waiting:
             on_reply(None, why)
-        if conn is not None:
+        if replies is not None:
             with contextlib.suppress(Exception):
-                conn.disconnect()
+                replies.connection.disconnect()
 
 
 class ScriptCaller:
