@@ -4,22 +4,23 @@ Run it as ``python bench/celery_overhead.py`` (``--quick`` for a smoke run). It 
 ``redis-server`` on a free port (broker and every plugin's store), then, for each pool (prefork
 ``-c 2`` and solo), starts one real ``celery worker`` per variant (plain Celery, the
 one-round-trip reference ``rt1``, its store-apart counterpart ``rt2-sep``: a round trip to a
-server of its own before the pool and one before the ack; ``ride0``, a minimal claim and
-completion script riding kombu's delivery and ack transactions; celery-claims, celery-once,
-celery-singleton), each on its own queue, and warms each up. Each round then measures, for each
-kind of task (N no-op tasks, then N tasks of 10 ms; ``--kinds noop`` times the no-op ones
-alone, which leaves time for more rounds), one batch per variant back to back, in a rotated
-order per round. A batch is timed from its first publish until the queue and kombu's
-unacked set are both empty (every task acked; ``task_acks_late`` for all variants), so the
-producer-side work of celery-once and celery-singleton (their lock is taken when a task is
-sent) counts too. Each variant's time is reported as a ratio to plain Celery's time in the same
-round; each kind's batches of a round start after an untimed batch (the first batch after a
-change of pace ran up to 1.7x slower, whichever variant it was). Beside the time, the CPU each
-message cost (Linux schedstat): the worker's main process, its pool processes, the broker's
-redis-server, the producer (``bench/publisher.py``, a process of its own for every variant:
-all its threads, over the batch, as for the worker), the claim store's redis-server of the
-variants with a store apart (``-sep``: its every thread, so 0 for the others), and their sum,
-which on 2 busy cores is what the time follows, with less noise. Before the rounds, each
+server of its own before the pool and one before the ack, and ``rt2p-sep``, whose second round
+trip the pool process makes after the body, as celery-claims records a prefork task; ``ride0``,
+a minimal claim and completion script riding kombu's delivery and ack transactions;
+celery-claims, celery-once, celery-singleton), each on its own queue, and warms each up. Each
+round then measures, for each kind of task (N no-op tasks, then N tasks of 10 ms; ``--kinds
+noop`` times the no-op ones alone, which leaves time for more rounds), one batch per variant
+back to back, in a rotated order per round. A batch is timed from its first publish until the
+queue and kombu's unacked set are both empty (every task acked; ``task_acks_late`` for all
+variants), so the producer-side work of celery-once and celery-singleton (their lock is taken
+when a task is sent) counts too. Each variant's time is reported as a ratio to plain Celery's
+time in the same round; each kind's batches of a round start after an untimed batch (the first
+batch after a change of pace ran up to 1.7x slower, whichever variant it was). Beside the time,
+the CPU each message cost (Linux schedstat): the worker's main process, its pool processes, the
+broker's redis-server, the producer (``bench/publisher.py``, a process of its own for every
+variant: all its threads, over the batch, as for the worker), the claim store's redis-server of
+the variants with a store apart (``-sep``: its every thread, so 0 for the others), and their
+sum, which on 2 busy cores is what the time follows, with less noise. Before the rounds, each
 producer publishes one task to a queue nobody consumes, and the keys it wrote for it are
 printed: which producers journal is shown, not assumed. Needs ``celery-once`` and
 ``celery-singleton`` (``pip install -e .[bench]``).
@@ -73,6 +74,7 @@ VARIANTS = (
     "plain",
     "rt1",
     "rt2-sep",
+    "rt2p-sep",
     "ride0",
     "claims",
     "claims-nj",

@@ -5,7 +5,11 @@ plus the least any execution-time claim costs: one blocking round trip of a one-
 script to the store per message, in the consumer before the pool gets it), ``rt2-sep`` (the
 least an execution-time claim costs with the store on a server of its own, ``BENCH_STORE_URL``,
 and the completion recorded before the ack: one blocking round trip there before the pool gets
-the message, and one more in the main process before Celery acks it), ``ride0`` (the least a claim
+the message, and one more in the main process before Celery acks it), ``rt2p-sep``
+(``rt2-sep`` with its second round trip in the pool process after the body, waited for
+before the task reports back, where celery-claims records a prefork task: the least a store
+apart costs while a main process stopped before its ack cannot let the task run again),
+``ride0`` (the least a claim
 that rides the broker's round trips can cost: kombu's delivery transaction carries a minimal
 claim script and its ack transaction a minimal completion script, in the worker's main process,
 no round trip of their own; see :class:`RideFloorQoS`), ``claims``
@@ -67,6 +71,31 @@ class OneRoundTrip(bootsteps.StartStopStep):  # type: ignore[misc]
 
         c.on_task_request = on_task_request
         super().__init__(c, **kwargs)
+
+
+class RecordInThePool(OneRoundTrip):
+    """The ``rt2p-sep`` reference: ``rt2-sep`` with its second round trip made where
+    celery-claims makes it on prefork, in the pool process once the body has run and before
+    the task reports back (a ``task_postrun`` receiver, waited for), so that a main process
+    stopped before its ack cannot let the task run again: the least a store apart costs with
+    that property kept. On solo the pool process is the main process."""
+
+    def store_url(self, c: Any) -> str:
+        return os.environ["BENCH_STORE_URL"]
+
+
+#: The pool process's client and script for ``rt2p-sep`` (made in the process, after the fork).
+_POOL_SCRIPT: dict[int, Any] = {}
+
+
+def record_in_the_pool(task_id: str | None = None, **_: Any) -> None:
+    """``rt2p-sep``'s record: one waited ``EVALSHA`` round trip from the process that ran the
+    body."""
+    script = _POOL_SCRIPT.get(os.getpid())
+    if script is None:
+        client = redis.Redis.from_url(os.environ["BENCH_STORE_URL"])
+        script = _POOL_SCRIPT[os.getpid()] = client.register_script("return 1")
+    script(keys=[task_id or ""], args=[])
 
 
 class TwoRoundTrips(OneRoundTrip):
@@ -191,6 +220,11 @@ def build(variant: str, url: str, queue: str) -> Celery:
         app.steps["consumer"].add(OneRoundTrip)
     elif variant == "rt2-sep":
         app.steps["consumer"].add(TwoRoundTrips)
+    elif variant == "rt2p-sep":
+        from celery import signals
+
+        app.steps["consumer"].add(RecordInThePool)
+        signals.task_postrun.connect(record_in_the_pool, weak=False)
     elif variant == "ride0":
         app.steps["consumer"].add(RideFloor)
     elif variant in ("claims", "claims-sep", "claims-nj", "claims-sep-nj", "claims-aoc"):
