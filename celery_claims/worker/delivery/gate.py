@@ -56,7 +56,7 @@ from celery_claims.worker.policy import is_exempt, time_limit_of
 from celery_claims.worker.publish.runs import run_of
 from celery_claims.worker.runtime import ClaimsRuntime
 from celery_claims.worker.settings import ClaimsSettings
-from celery_claims.worker.transport.broker import BrokerRide
+from celery_claims.worker.transport.broker import BrokerRide, keep_writes
 from celery_claims.worker.transport.pipe import Pipe, consumer_pipe
 
 __all__ = ["ClaimGate"]
@@ -479,17 +479,21 @@ class ClaimGate:
     # --- connection restarts and shutdown ---------------------------------------------------
 
     def resume(self) -> None:
-        """The consumer (re)started: use the event loop's pipe again, and where the claim
-        store is the Redis broker's server, send claims and completions with kombu's own
-        writes on the new channel."""
+        """The consumer (re)started: use the event loop's pipe again, and on the Redis
+        broker, where the claim store is its server, send claims and completions with kombu's
+        own writes on the new channel; elsewhere send kombu's writes on a kept connection
+        (:func:`~celery_claims.worker.transport.broker.keep_writes`)."""
         self._stopping = False
         self.life.loop_started()
-        if not self.life.ride_acks:
-            return
-        ride = BrokerRide.of_consumer(self.consumer, self.runtime.manager.client)
+        ride = None
+        if self.life.ride_acks:
+            ride = BrokerRide.of_consumer(self.consumer, self.runtime.manager.client)
         if ride is not None:
             ride.hook_append(self.claim_for, self.claimed)
             ride.hook_ack(self.life.done.take_ack)
+        else:
+            # a store apart on a Redis broker: kombu's own writes, on a kept connection
+            keep_writes(getattr(getattr(self.consumer, "task_consumer", None), "channel", None))
 
     def drop_connection_state(self) -> None:
         """Forget what belongs to the closing connection (reentrant, no logging)."""

@@ -31,6 +31,7 @@ __all__ = [
     "BrokerRide",
     "Delivery",
     "forget_delivery",
+    "keep_writes",
     "refresh_unacked",
     "shares_delivery_tags",
     "store_is_broker",
@@ -290,24 +291,30 @@ class BrokerRide:
         kombu_ack(self.qos, tag)
 
 
-def _append_and_claim(
-    qos: Any, caller: ScriptCaller, message: Any, delivery_tag: Any, call: ScriptCall[Any]
-) -> list[Any]:
+def _append_commands(qos: Any, message: Any, delivery_tag: Any) -> list[tuple[Any, ...]]:
     """kombu's append of ``message`` (``kombu/transport/redis.py``, ``QoS.append``: the
-    delivery into the unacked index and hash) and ``call``, in one transaction; their three
-    replies, each the error it ended with where one failed."""
+    delivery into the unacked index and hash), as the commands of its transaction."""
     delivery = message.delivery_info
     dumps: Any = json.dumps
     raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
     score = repr(time.time())  # as redis-py writes a float
-    index_key, unacked_key = qos.unacked_index_key, qos.unacked_key
+    return [
+        ("ZADD", qos.unacked_index_key, score, delivery_tag),
+        ("HSET", qos.unacked_key, delivery_tag, raw),
+    ]
+
+
+def _append_and_claim(
+    qos: Any, caller: ScriptCaller, message: Any, delivery_tag: Any, call: ScriptCall[Any]
+) -> list[Any]:
+    """kombu's append of ``message`` and ``call``, in one transaction; their three replies,
+    each the error it ended with where one failed."""
+    commands = _append_commands(qos, message, delivery_tag)
     pool = qos.channel.pool
     if type(pool) is redis.ConnectionPool:
         # on a connection kept for it, made from the channel's own pool (kombu's settings):
         # a third of the CPU of kombu's pipeline, which builds a client per call
         # (docs/benchmarks.md)
-        commands = [("ZADD", index_key, score, delivery_tag)]
-        commands.append(("HSET", unacked_key, delivery_tag, raw))
         try:
             replies: list[Any] = caller.transaction(pool, commands, call)
             return replies
@@ -315,9 +322,92 @@ def _append_and_claim(
             # run or not: kombu's own transaction, with redis-py's retries (every write in
             # it may run twice: the claim's owner claims again)
             pass
+    (_, index_key, score, _), (_, unacked_key, _, raw) = commands
     with qos.pipe_or_acquire() as pipe:
         pipe.zadd(index_key, {delivery_tag: float(score)})
         pipe.hset(unacked_key, delivery_tag, raw)
         pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
         result: list[Any] = pipe.execute(raise_on_error=False)
         return result
+
+
+#: Attribute of a QoS whose ``append`` and ``ack`` go on a kept connection (:func:`keep_writes`).
+_KEPT_HOOK = "_celery_claims_kept_writes"
+
+
+def keep_writes(channel: Any) -> bool:
+    """Send kombu's ``append`` and ``ack`` transactions of ``channel``'s Redis QoS on a
+    connection kept for them, where no claim rides them (the claim store is not the broker's
+    server); True if hooked (idempotent, per channel).
+
+    The same commands in the same ``MULTI``/``EXEC`` as kombu's (``ZADD`` and ``HSET`` of the
+    delivery into ``unacked_index`` and ``unacked``; ``ZREM`` and ``HDEL`` at the ack), then
+    the same forget in kombu's memory, sent by the package's packer and read by its reader
+    (:meth:`~celery_claims.worker.transport.sender.ScriptCaller.commands`): a third of the
+    CPU of kombu's pipeline, which builds a client per call. Where the channel's pool is not a
+    standalone server's (Sentinel), the transport prefixes keys (``global_keyprefix``), or
+    the kept connection times out or drops, kombu's own method runs (every command in them
+    may run twice: each is idempotent). False (nothing hooked) where the channel is not
+    kombu's Redis transport with the QoS this module knows.
+    """
+    qos = getattr(channel, "qos", None)
+    if (
+        not hasattr(channel, "unacked_index_key")
+        or not isinstance(qos, VirtualQoS)
+        or str(getattr(channel, "global_keyprefix", "") or "")
+        or not callable(getattr(type(qos), "_remove_from_indices", None))
+    ):
+        return False
+    if getattr(qos, _KEPT_HOOK, None) is None:
+        writes = _KeptWrites(qos)
+        close_with(qos.channel, writes.caller.close)  # its connections go with the channel's
+        # instance attributes: kombu's Channel calls self.qos.append and self.qos.ack
+        hooked: Any = qos
+        hooked.append, hooked.ack = writes.append, writes.ack
+        setattr(qos, _KEPT_HOOK, writes)
+    return True
+
+
+class _KeptWrites:
+    """kombu's ``append`` and ``ack`` of one Redis QoS, on a kept connection
+    (:func:`keep_writes`)."""
+
+    def __init__(self, qos: Any) -> None:
+        self.qos = qos
+        self.caller = ScriptCaller()
+        self.kombu_append, self.kombu_ack = type(qos).append, type(qos).ack
+
+    def append(self, message: Any, delivery_tag: Any) -> None:
+        qos = self.qos
+        if self._ran(_append_commands(qos, message, delivery_tag)):
+            local_append: Any = VirtualQoS.append
+            local_append(qos, message, delivery_tag)
+        else:
+            self.kombu_append(qos, message, delivery_tag)
+
+    def ack(self, delivery_tag: Any) -> None:
+        qos = self.qos
+        removal = [
+            ("ZREM", qos.unacked_index_key, delivery_tag),
+            ("HDEL", qos.unacked_key, delivery_tag),
+        ]
+        if self._ran(removal):
+            local_ack: Any = VirtualQoS.ack
+            local_ack(qos, delivery_tag)
+        else:
+            self.kombu_ack(qos, delivery_tag)
+
+    def _ran(self, commands: list[tuple[Any, ...]]) -> bool:
+        """Run ``commands`` in one transaction on the kept connection: True once they ran,
+        False to leave them to kombu (nothing known to have run)."""
+        pool = self.qos.channel.pool
+        if type(pool) is not redis.ConnectionPool:
+            return False
+        try:
+            replies = self.caller.commands(pool, commands)
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False  # run or not: kombu's own, with redis-py's retries
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply  # as kombu's pipeline raises a command's error
+        return True

@@ -426,6 +426,19 @@ class ScriptCaller:
         """
         return self._on_kept(pool, _Kept.transaction, commands, call)
 
+    def commands(self, pool: Any, commands: list[tuple[Any, ...]]) -> Any:
+        """Send ``commands`` in one ``MULTI``/``EXEC`` to the server of ``pool``, wait, and
+        return ``EXEC``'s replies in order (a command's error reply as its
+        ``redis.ResponseError``, not raised): kombu's own transactions, without a script.
+
+        Raises:
+            redis.ConnectionError, redis.TimeoutError: the transaction may or may not have
+                run; the connection is dropped.
+            redis.ResponseError: the transaction was refused (``EXECABORT``), nothing ran.
+            InvalidArgument: ``pool`` is not a standalone server's (:func:`usable`).
+        """
+        return self._on_kept(pool, _Kept.commands, commands)
+
     def _on_kept(self, pool: Any, use: Callable[..., Any], *args: Any) -> Any:
         """``use(kept, *args)`` on a kept connection of ``pool``'s server, taken for the
         call."""
@@ -501,6 +514,16 @@ class _Kept:
             raise result
         if result and isinstance(result[-1], redis.exceptions.NoScriptError):
             self.loaded.clear()  # flushed since it was loaded here: loaded again next time
+        return result
+
+    def commands(self, commands: list[tuple[Any, ...]]) -> Any:
+        self._ready()
+        conn = self.conn
+        packed = pack_commands([("MULTI",), *commands, ("EXEC",)], conn)
+        conn.send_packed_command([b"".join(packed)])
+        result = self._read(len(commands) + 2)[-1]
+        if isinstance(result, redis.ResponseError):
+            raise result
         return result
 
     def _ready(self) -> None:

@@ -1,0 +1,229 @@
+"""kombu's own writes on a connection kept for them, where no claim rides them (``keep_writes``).
+
+With the claim store apart from a Redis broker, kombu's ``QoS.append`` (the ``MULTI``/``EXEC``
+that records a delivery in ``unacked``) and ``QoS.ack`` (the one that removes it) carry no
+claim, but they still cost the worker's main process a redis-py pipeline each: a client built
+per call, its pool taken and given back, its replies parsed. The worker sends the same
+commands in the same transactions on a connection kept for them
+(``sender.ScriptCaller.commands``). What kombu's pipeline did, the kept connection must do
+too, or hand the write back to kombu: each case is checked here on a real kombu channel
+against a private ``redis-server``, and once through a real worker.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import kombu
+import pytest
+import redis
+from celery import Celery
+
+from celery_claims.worker.transport.broker import keep_writes
+from tests.servers import RedisServer, command_calls, redis_server
+from tests.worker.helpers import close_app, in_process_worker, make_app, unique, wait_for
+
+QUEUE = "work"
+
+
+class Channel:
+    """A kombu channel on ``server``, its QoS's writes on a kept connection if ``kept``."""
+
+    def __init__(self, server: RedisServer, *, kept: bool = True, **options: Any) -> None:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        self.connection = kombu.Connection(url, transport_options=options)
+        self.channel = self.connection.channel()
+        self.store = server.client(socket_timeout=5)
+        if kept:
+            assert keep_writes(self.channel)
+
+    def publish(self, *task_ids: str) -> None:
+        with kombu.Producer(self.channel) as producer:
+            for task_id in task_ids:
+                producer.publish({"id": task_id}, routing_key=QUEUE, declare=[kombu.Queue(QUEUE)])
+
+    def deliver(self) -> Any:
+        """One message, delivered as a consumer's is (the QoS's ``append`` records it)."""
+        message = self.channel.basic_get(QUEUE, no_ack=False)
+        assert message is not None
+        return message
+
+    def unacked(self) -> tuple[int, int]:
+        return self.store.hlen("unacked"), self.store.zcard("unacked_index")
+
+    def close(self) -> None:
+        self.channel.close()
+        self.connection.release()
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with redis_server() as started:
+        yield started
+
+
+@pytest.fixture
+def kept(server: RedisServer) -> Iterator[Channel]:
+    channel = Channel(server)
+    try:
+        yield channel
+    finally:
+        channel.close()
+
+
+def test_deliveries_and_acks_write_what_kombu_writes_on_one_kept_connection(
+    kept: Channel, server: RedisServer
+) -> None:
+    # Given three messages, and beside the kept channel one with kombu's own writes
+    kept.publish("t1", "t2", "t3")
+    kept.deliver()  # the kept connection is made
+    made = int(kept.store.info("stats")["total_connections_received"])
+    before = command_calls(kept.store)
+    # When two more are delivered and then all three acked
+    messages = [kept.deliver(), kept.deliver()]
+    assert kept.unacked() == (3, 3)
+    recorded = kept.store.hgetall("unacked")
+    for message in messages:
+        message.ack()
+    # Then each write was one transaction of kombu's commands, on the connection the first
+    # delivery made (no connection made since)
+    calls = command_calls(kept.store)
+    counted = ("multi", "exec", "zadd", "hset", "zrem", "hdel")
+    assert [calls.get(c, 0) - before.get(c, 0) for c in counted] == [4, 4, 2, 2, 2, 2]
+    assert int(kept.store.info("stats")["total_connections_received"]) == made
+    assert kept.unacked() == (1, 1)
+    # and each delivery was recorded as kombu's own append records it
+    own = Channel(server, kept=False)
+    try:
+        own.publish("t4")
+        for channel, message in ((kept, messages[0]), (own, own.deliver())):
+            tag = message.delivery_tag
+            entry = recorded.get(tag.encode()) or kept.store.hget("unacked", tag)
+            delivery = message.delivery_info
+            expected = [message._raw, delivery["exchange"], delivery["routing_key"]]
+            assert entry is not None, channel
+            assert json.loads(entry) == expected, channel
+    finally:
+        own.close()
+    # and kombu closing the channel closes the kept connection too
+    before_close = len(kept.store.client_list())
+    kept.channel.close()
+    deadline = time.monotonic() + 5
+    while len(kept.store.client_list()) > before_close - 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # kombu's own connection and the kept one
+    assert len(kept.store.client_list()) <= before_close - 2
+
+
+def test_writes_after_the_broker_restarted_go_on_a_new_connection(
+    kept: Channel, server: RedisServer
+) -> None:
+    kept.publish("t1")
+    kept.deliver().ack()
+    # When the server restarts between two deliveries (the kept connection is closed by then)
+    server.restart()
+    kept.publish("t2")
+    message = kept.deliver()
+    # Then the delivery is recorded, and its ack removes it
+    assert kept.unacked() == (1, 1)
+    message.ack()
+    assert kept.unacked() == (0, 0)
+
+
+def test_a_write_whose_reply_timed_out_is_sent_again_through_kombus_pipeline(
+    server: RedisServer,
+) -> None:
+    # Given a channel with a 1 s socket timeout, its kept connection made
+    channel = Channel(server, socket_timeout=1.0)
+    try:
+        channel.publish("t1", "t2")
+        first = channel.deliver()
+        # When the server stalls for 1.6 s just before the ack is sent (the kept connection
+        # times out and is closed; kombu's pipeline, sent then, is answered once it wakes)
+        stall = threading.Thread(
+            target=lambda: server.client().execute_command("DEBUG", "SLEEP", 1.6)
+        )
+        stall.start()
+        time.sleep(0.1)
+        first.ack()
+        stall.join()
+        # Then the delivery is removed (whether the first transaction ran too or not), and the
+        # next delivery and ack go on a kept connection again
+        assert channel.unacked() == (0, 0)
+        second = channel.deliver()
+        assert channel.unacked() == (1, 1)
+        second.ack()
+        assert channel.unacked() == (0, 0)
+    finally:
+        channel.close()
+
+
+def test_a_write_the_server_refuses_fails_as_kombus_would(kept: Channel) -> None:
+    # Given kombu's unacked hash clobbered with a string (every HSET on it is refused)
+    kept.publish("t1")
+    kept.store.set("unacked", "not a hash")
+    # When the message is delivered, kombu's error is raised, as its own append raises it
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        kept.deliver()
+    # and the kept connection answers the next delivery with its own replies
+    kept.store.delete("unacked")
+    kept.publish("t2")
+    kept.deliver().ack()
+    assert kept.unacked() == (0, 1)  # t1's index entry went in with the refused HSET
+
+
+def test_channels_whose_keys_kombu_prefixes_keep_kombus_own_writes(server: RedisServer) -> None:
+    # Given a transport that prefixes its keys (kombu's client adds the prefix itself)
+    channel = Channel(server, kept=False, global_keyprefix="app:")
+    try:
+        # Then nothing is hooked, and kombu's own writes record the delivery under the prefix
+        assert not keep_writes(channel.channel)
+        channel.publish("t1")
+        message = channel.deliver()
+        assert channel.store.hlen("app:unacked") == 1
+        message.ack()
+        assert channel.store.hlen("app:unacked") == 0
+    finally:
+        channel.close()
+
+
+@pytest.fixture
+def app(redis_server: RedisServer, private_redis: RedisServer, key_prefix: str) -> Iterator[Celery]:
+    app = make_app(
+        redis_server.url, queue=unique("q"), claims_prefix=key_prefix,
+        claims_redis_url=private_redis.url,
+    )  # fmt: skip
+
+    @app.task(shared=False, name="t.add")
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    try:
+        yield app
+    finally:
+        close_app(app)
+
+
+@pytest.mark.parametrize("pool", ["solo", "threads"])
+def test_a_worker_with_its_claim_store_apart_sends_kombus_writes_on_a_kept_connection(
+    app: Celery, redis_server: RedisServer, pool: str
+) -> None:
+    # Given a worker on a Redis broker whose claim store is a server of its own
+    broker = redis_server.client()
+    with in_process_worker(app, pool=pool, concurrency=2) as worker:
+        qos = worker.consumer.task_consumer.channel.qos
+        before = command_calls(broker)
+        # When tasks run
+        results = [app.send_task("t.add", (i, 1)) for i in range(6)]
+        # Then each runs once, its delivery recorded and removed by the kept writes: a
+        # transaction each, and none through kombu's pipeline
+        assert [r.get(timeout=20) for r in results] == [i + 1 for i in range(6)]
+        assert qos.append.__self__.qos is qos
+        assert qos.ack.__self__.qos is qos
+        wait_for(lambda: broker.hlen("unacked") == 0, timeout=10, what="every ack")
+        calls = command_calls(broker)
+        assert calls["zrem"] - before.get("zrem", 0) >= 6
+    assert broker.zcard("unacked_index") == 0
