@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import kombu
 import pytest
 import redis
 
@@ -25,22 +24,16 @@ from celery_claims.claims.calls import ScriptCall
 from celery_claims.model import GateResult, Success
 from celery_claims.worker.transport.broker import BrokerRide
 from tests.servers import RedisServer, command_calls, redis_server
+from tests.worker.kombu_channel import QUEUE, Channel
 
 OWNER = "w@host/1/n.1"
-QUEUE = "work"
 
 
-class Ride:
+class Ride(Channel):
     """A kombu channel on ``server`` whose appends carry claims of ``manager``."""
 
     def __init__(self, server: RedisServer, socket_timeout: float = 5.0) -> None:
-        self.server = server
-        url = f"redis://127.0.0.1:{server.port}/0"
-        self.connection = kombu.Connection(
-            url, transport_options={"socket_timeout": socket_timeout}
-        )
-        self.channel = self.connection.channel()
-        self.store = server.client(socket_timeout=5)
+        super().__init__(server, socket_timeout=socket_timeout)
         self.manager = RedisClaimManager(client=self.store, prefix="ride")
         ride = BrokerRide.of(self.channel, self.store)
         assert ride is not None, "the channel is on the store's server"
@@ -64,27 +57,6 @@ class Ride:
             self.results[task_id] = reply
         else:
             self.results[task_id] = self.calls[task_id].decode(reply)
-
-    def publish(self, *task_ids: str) -> None:
-        with kombu.Producer(self.channel) as producer:
-            for task_id in task_ids:
-                producer.publish({"id": task_id}, routing_key=QUEUE, declare=[kombu.Queue(QUEUE)])
-
-    def deliver(self) -> Any:
-        """One message, delivered as a consumer's is (kombu's ``append`` records it)."""
-        message = self.channel.basic_get(QUEUE, no_ack=False)
-        assert message is not None
-        return message
-
-    def unacked(self) -> tuple[int, int]:
-        return self.store.hlen("unacked"), self.store.zcard("unacked_index")
-
-    def connections(self) -> int:
-        return len(self.store.client_list())
-
-    def close(self) -> None:
-        self.channel.close()
-        self.connection.release()
 
 
 @pytest.fixture

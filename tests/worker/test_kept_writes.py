@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import kombu
 import pytest
 import redis
 from celery import Celery
@@ -26,38 +25,15 @@ from celery import Celery
 from celery_claims.worker.transport.broker import keep_writes
 from tests.servers import RedisServer, command_calls, redis_server
 from tests.worker.helpers import close_app, in_process_worker, make_app, unique, wait_for
+from tests.worker.kombu_channel import Channel
 
-QUEUE = "work"
 
+class Kept(Channel):
+    """A kombu channel on ``server`` whose QoS's writes go on a kept connection."""
 
-class Channel:
-    """A kombu channel on ``server``, its QoS's writes on a kept connection if ``kept``."""
-
-    def __init__(self, server: RedisServer, *, kept: bool = True, **options: Any) -> None:
-        url = f"redis://127.0.0.1:{server.port}/0"
-        self.connection = kombu.Connection(url, transport_options=options)
-        self.channel = self.connection.channel()
-        self.store = server.client(socket_timeout=5)
-        if kept:
-            assert keep_writes(self.channel)
-
-    def publish(self, *task_ids: str) -> None:
-        with kombu.Producer(self.channel) as producer:
-            for task_id in task_ids:
-                producer.publish({"id": task_id}, routing_key=QUEUE, declare=[kombu.Queue(QUEUE)])
-
-    def deliver(self) -> Any:
-        """One message, delivered as a consumer's is (the QoS's ``append`` records it)."""
-        message = self.channel.basic_get(QUEUE, no_ack=False)
-        assert message is not None
-        return message
-
-    def unacked(self) -> tuple[int, int]:
-        return self.store.hlen("unacked"), self.store.zcard("unacked_index")
-
-    def close(self) -> None:
-        self.channel.close()
-        self.connection.release()
+    def __init__(self, server: RedisServer, **options: Any) -> None:
+        super().__init__(server, **options)
+        assert keep_writes(self.channel)
 
 
 @pytest.fixture
@@ -67,8 +43,8 @@ def server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def kept(server: RedisServer) -> Iterator[Channel]:
-    channel = Channel(server)
+def kept(server: RedisServer) -> Iterator[Kept]:
+    channel = Kept(server)
     try:
         yield channel
     finally:
@@ -76,7 +52,7 @@ def kept(server: RedisServer) -> Iterator[Channel]:
 
 
 def test_deliveries_and_acks_write_what_kombu_writes_on_one_kept_connection(
-    kept: Channel, server: RedisServer
+    kept: Kept, server: RedisServer
 ) -> None:
     # Given three messages, and beside the kept channel one with kombu's own writes
     kept.publish("t1", "t2", "t3")
@@ -97,7 +73,7 @@ def test_deliveries_and_acks_write_what_kombu_writes_on_one_kept_connection(
     assert int(kept.store.info("stats")["total_connections_received"]) == made
     assert kept.unacked() == (1, 1)
     # and each delivery was recorded as kombu's own append records it
-    own = Channel(server, kept=False)
+    own = Channel(server)
     try:
         own.publish("t4")
         for channel, message in ((kept, messages[0]), (own, own.deliver())):
@@ -119,7 +95,7 @@ def test_deliveries_and_acks_write_what_kombu_writes_on_one_kept_connection(
 
 
 def test_writes_after_the_broker_restarted_go_on_a_new_connection(
-    kept: Channel, server: RedisServer
+    kept: Kept, server: RedisServer
 ) -> None:
     kept.publish("t1")
     kept.deliver().ack()
@@ -137,7 +113,7 @@ def test_a_write_whose_reply_timed_out_is_sent_again_through_kombus_pipeline(
     server: RedisServer,
 ) -> None:
     # Given a channel with a 1 s socket timeout, its kept connection made
-    channel = Channel(server, socket_timeout=1.0)
+    channel = Kept(server, socket_timeout=1.0)
     try:
         channel.publish("t1", "t2")
         first = channel.deliver()
@@ -161,7 +137,7 @@ def test_a_write_whose_reply_timed_out_is_sent_again_through_kombus_pipeline(
         channel.close()
 
 
-def test_a_write_the_server_refuses_fails_as_kombus_would(kept: Channel) -> None:
+def test_a_write_the_server_refuses_fails_as_kombus_would(kept: Kept) -> None:
     # Given kombu's unacked hash clobbered with a string (every HSET on it is refused)
     kept.publish("t1")
     kept.store.set("unacked", "not a hash")
@@ -177,7 +153,7 @@ def test_a_write_the_server_refuses_fails_as_kombus_would(kept: Channel) -> None
 
 def test_channels_whose_keys_kombu_prefixes_keep_kombus_own_writes(server: RedisServer) -> None:
     # Given a transport that prefixes its keys (kombu's client adds the prefix itself)
-    channel = Channel(server, kept=False, global_keyprefix="app:")
+    channel = Channel(server, global_keyprefix="app:")
     try:
         # Then nothing is hooked, and kombu's own writes record the delivery under the prefix
         assert not keep_writes(channel.channel)
