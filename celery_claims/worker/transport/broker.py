@@ -2,8 +2,10 @@
 
 Every kombu Redis transport internal the delivery path touches is here: a delivery's tag and
 its record in ``unacked``/``unacked_index`` (:class:`Delivery`, :func:`refresh_unacked`), the
-local forget of a stale copy (:func:`forget_delivery`), and :class:`BrokerRide`, which
-replaces the QoS's ``append`` and ``ack`` on a channel's instance. Read in kombu 5.3 to 5.7
+local forget of a stale copy (:func:`forget_delivery`), :class:`BrokerRide`, which
+replaces the QoS's ``append`` and ``ack`` on a channel's instance with transactions that carry
+the claim store's writes, and :func:`keep_writes`, which sends kombu's own ``append`` and
+``ack`` on a kept connection where nothing rides them (a store apart). Read in kombu 5.3 to 5.7
 (:data:`celery_claims.worker.compat.TESTED`); each degrades to the safe side when what it
 expects is missing (no refresh, no local forget: the broker then redelivers).
 """
