@@ -125,6 +125,8 @@ def test_a_reapplied_frozen_group_runs_its_members_link_callbacks_again(
 
         # Then the callback runs again with its member: it is of the member's new run
         wait_for(lambda: len(runs.of("echo")) == 2, timeout=TIMEOUT, what="the callback again")
+        # (the other member may run after the callback: the worker is stopped only once it ran)
+        wait_for(lambda: len(runs.of("add")) == 4, timeout=TIMEOUT, what="the members again")
     assert sorted(runs.of("add")) == [(1, 2), (1, 2), (3, 4), (3, 4)]
 
 
