@@ -71,21 +71,65 @@ def missing_service(what: str) -> None:
     pytest.skip(f"{what} is not available")
 
 
+#: The lowest port :func:`free_port` hands out. Its ports and their cluster bus ports
+#: (``+ 10000``) stay below the kernel's ephemeral range, where outgoing connections take
+#: their local ports: a private server stopped for a while keeps its port to itself.
+FIRST_PORT = 10_000
+#: Where the kernel's ephemeral range starts when it cannot be read.
+EPHEMERAL_DEFAULT = 32_768
+
+_next_port: list[int] = []
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]
+        return int(low)
+    except (OSError, ValueError, IndexError):
+        return EPHEMERAL_DEFAULT
+
+
+def port_range(worker: str | None = None, workers: str | None = None) -> range:
+    """The ports this test process hands out: its share (by pytest-xdist's worker number) of
+    those below the ephemeral range whose cluster bus port is below it too.
+
+    Each of a run's processes has ports of its own, so a server one test stops and starts
+    again (a restart, an outage) finds its port free, never taken by another process's server
+    or by an outgoing connection meanwhile."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "") if worker is None else worker
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") if workers is None else workers
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    count = max(int(workers) if workers.isdigit() else 1, index + 1)
+    top = _ephemeral_low() - 10_000
+    share = (top - FIRST_PORT) // count
+    if share < 100:
+        raise RuntimeError(f"no room for private ports below {top + 10_000} for {count} workers")
+    start = FIRST_PORT + index * share
+    return range(start, start + share)
+
+
 def free_port() -> int:
-    """A TCP port that nothing listens on right now (and its +10000 cluster bus port too)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair found")
+    """A TCP port that nothing listens on right now (and its +10000 cluster bus port too),
+    from this process's :func:`port_range`, each in turn: a port is handed out again only
+    after every other port of the range was."""
+    ports = port_range()
+    if not _next_port or _next_port[0] not in ports:
+        _next_port[:] = [ports.start + (os.getpid() % len(ports))]
+    for _ in range(len(ports)):
+        port = _next_port[0]
+        _next_port[0] = port + 1 if port + 1 < ports.stop else ports.start
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError(f"no free port pair found in {ports}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def valkey_binary() -> str | None:
@@ -179,6 +223,7 @@ class RedisServer:
             try:
                 with contextlib.closing(self.client(socket_timeout=1)) as c:
                     if c.ping():
+                        self._check_answering(c)
                         return self
             except redis.exceptions.BusyLoadingError:
                 pass
@@ -188,6 +233,17 @@ class RedisServer:
                 log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"{self.binary} on port {self.port} did not start:\n{log}")
             time.sleep(0.02)
+
+    def _check_answering(self, client: redis.Redis) -> None:
+        """The server answering on the port is the one started here, not another process's
+        that holds the port (this one then fails to bind and exits)."""
+        assert self.proc is not None
+        pid = int(client.info("server")["process_id"])
+        if pid != self.proc.pid:
+            self.stop(signal.SIGKILL)
+            raise RuntimeError(
+                f"{self.binary} on port {self.port}: another server (pid {pid}) answers there"
+            )
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop the server by its own pid (SIGTERM saves AOF; SIGKILL simulates a crash)."""
