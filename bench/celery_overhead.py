@@ -78,6 +78,7 @@ VARIANTS = (
     "ride0",
     "claims",
     "claims-nj",
+    "claims-np",
     "claims-sep",
     "claims-sep-nj",
     "claims-aoc",

@@ -14,7 +14,11 @@ that rides the broker's round trips can cost: kombu's delivery transaction carri
 claim script and its ack transaction a minimal completion script, in the worker's main process,
 no round trip of their own; see :class:`RideFloorQoS`), ``claims``
 (``celery_claims.install``, the claim store on the broker's server, the default),
-``claims-nj`` (``claims`` with the publish journal off), ``claims-aoc`` (``claims`` acking
+``claims-nj`` (``claims`` with the publish journal off), ``claims-np`` (``claims`` with
+the pool process's part taken out: no waited settle, no record sent ahead; the ack alone
+writes the record, as a measurement of what that part costs, never a mode to run: a main
+process stopped after the body and before its ack then lets the task run again; see
+:func:`without_the_pool_record`), ``claims-aoc`` (``claims`` acking
 each message at claim, ``claims_ack_on_claim``), ``claims-sep`` (the same with the claim
 store on a server of its own, ``BENCH_STORE_URL``, as a fleet on RabbitMQ has it),
 ``claims-sep-nj`` (``claims-sep`` with the publish journal off: what the journal costs a
@@ -227,8 +231,18 @@ def build(variant: str, url: str, queue: str) -> Celery:
         signals.task_postrun.connect(record_in_the_pool, weak=False)
     elif variant == "ride0":
         app.steps["consumer"].add(RideFloor)
-    elif variant in ("claims", "claims-sep", "claims-nj", "claims-sep-nj", "claims-aoc"):
+    elif variant in (
+        "claims",
+        "claims-sep",
+        "claims-nj",
+        "claims-sep-nj",
+        "claims-aoc",
+        "claims-np",
+    ):
         from celery_claims.worker import install
+
+        if variant == "claims-np":
+            without_the_pool_record()
 
         if variant == "claims-aoc":
             # acknowledged once claimed: one waited journal write per message, on the loop
@@ -261,6 +275,19 @@ def build(variant: str, url: str, queue: str) -> Celery:
         time.sleep(0.01)
 
     return app
+
+
+def without_the_pool_record() -> None:
+    """``claims-np``: the pool process neither settles a succeeded task (``ack_done.lua``,
+    waited for) nor sends its record ahead; the worker's ack writes the record alone, in the
+    one script that replaces kombu's ack. What is left of ``claims`` is what a claim costs
+    without the property the pool's part keeps (a main process stopped after the body and
+    before its ack cannot let the task run again): the benchmark's measure of that part."""
+    from celery_claims.worker.delivery import guard
+    from celery_claims.worker.delivery.completion import Completion
+
+    Completion.pool_settle = lambda self, copy: None  # type: ignore[method-assign]
+    guard._Verifier.send_record = lambda self, claim: None  # type: ignore[method-assign]
 
 
 def profile_main_process(path: str) -> None:
