@@ -148,7 +148,11 @@ def test_the_ceiling_benchmark_quick_mode_prints_each_servers_cost_and_the_fleet
     ], done.stdout
     for row in servers[1:]:
         commands_us, reads, measured, ratio, saturated = (float(v) for v in row[2:7])
-        assert 0 < commands_us < measured, row
+        # (each positive, not one below the other: the server times a command by the clock,
+        # so a command preempted on a loaded machine counts the wait, and its time can pass
+        # the CPU the server used: seen 158 against 103 us, beside a parallel test run)
+        assert commands_us > 0, row
+        assert measured > 0, row
         assert reads > 0, row
         assert saturated > 0, row
         assert ratio > 0, row
