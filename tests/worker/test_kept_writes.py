@@ -112,29 +112,76 @@ def test_writes_after_the_broker_restarted_go_on_a_new_connection(
 def test_a_write_whose_reply_timed_out_is_sent_again_through_kombus_pipeline(
     server: RedisServer,
 ) -> None:
-    # Given a channel with a 1 s socket timeout, its kept connection made
+    # Given a channel with a 1 s socket timeout, its kept connection made by a delivery
     channel = Kept(server, socket_timeout=1.0)
     try:
-        channel.publish("t1", "t2")
-        first = channel.deliver()
-        # When the server stalls for 1.6 s just before the ack is sent (the kept connection
-        # times out and is closed; kombu's pipeline, sent then, is answered once it wakes)
+        channel.publish("t1")
+        message = channel.deliver()
+        qos = channel.channel.qos
+        # When the server stalls for 1.6 s just before a delivery is recorded (here the same
+        # message's again, under a tag of its own: the kept connection times out and is
+        # closed; kombu's pipeline, sent then, is answered once it wakes)
         stall = threading.Thread(
             target=lambda: server.client().execute_command("DEBUG", "SLEEP", 1.6)
         )
         stall.start()
         time.sleep(0.1)
-        first.ack()
+        qos.append(message, "again")
         stall.join()
-        # Then the delivery is removed (whether the first transaction ran too or not), and the
-        # next delivery and ack go on a kept connection again
-        assert channel.unacked() == (0, 0)
-        second = channel.deliver()
-        assert channel.unacked() == (1, 1)
-        second.ack()
-        assert channel.unacked() == (0, 0)
+        # Then the delivery is recorded (whether the first transaction ran too or not), and
+        # the acks and the next delivery go on a kept connection again
+        assert channel.store.hexists("unacked", "again")
+        assert channel.unacked() == (2, 2)
+        message.ack()
+        qos.ack("again")
+        channel.publish("t2")
+        channel.deliver().ack()
+        wait_for(lambda: channel.unacked() == (0, 0), timeout=5, what="the acks")
     finally:
         channel.close()
+
+
+def test_an_ack_is_sent_without_waiting_for_the_brokers_reply(
+    kept: Kept, server: RedisServer
+) -> None:
+    # Given a delivered message, its kept connection made
+    kept.publish("t1", "t2")
+    message = kept.deliver()
+    # When it is acked while the broker answers nothing (stopped: SIGSTOP)
+    acked = threading.Event()
+    with server.paused():
+        acker = threading.Thread(target=lambda: (message.ack(), acked.set()))
+        acker.start()
+        # Then the ack returns without the broker's reply, the delivery forgotten in kombu's
+        # memory (its prefetch slot free)
+        assert acked.wait(timeout=3), "the ack waited for the broker"
+        qos = kept.channel.qos
+        assert message.delivery_tag in qos._dirty  # kombu's forget (flushed lazily)
+    acker.join()
+    # and the broker runs it once it answers again; the next write reads its replies first
+    wait_for(lambda: kept.unacked() == (0, 0), timeout=5, what="the ack")
+    kept.deliver().ack()
+    wait_for(lambda: kept.unacked() == (0, 0), timeout=5, what="the second ack")
+
+
+def test_an_ack_the_broker_refuses_is_logged_at_the_next_write(
+    kept: Kept, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a delivered message, and kombu's unacked index clobbered with a string (the
+    # ack's ZREM is refused, its HDEL runs)
+    kept.publish("t1", "t2")
+    message = kept.deliver()
+    kept.store.delete("unacked_index")
+    kept.store.set("unacked_index", "not a sorted set")
+    # When it is acked, nothing is raised (the reply is not waited for)
+    message.ack()
+    # Then the next write reads the ack's replies first and logs the refusal, and goes on
+    kept.store.delete("unacked_index")
+    with caplog.at_level("WARNING", logger="celery_claims.worker"):
+        kept.deliver().ack()
+    assert "kombu's ack of" in caplog.text
+    assert "WRONGTYPE" in caplog.text
+    wait_for(lambda: kept.unacked() == (0, 0), timeout=5, what="the second ack")
 
 
 def test_a_write_the_server_refuses_fails_as_kombus_would(kept: Kept) -> None:

@@ -388,16 +388,27 @@ class _KeptWrites:
             self.kombu_append(qos, message, delivery_tag)
 
     def ack(self, delivery_tag: Any) -> None:
+        """kombu's ack, its replies not waited for: read before the kept connection's next
+        write (an error among them logged there). Every ack comes after the copy's record (or
+        for a task whose record is not the worker's to write), so one that is lost (the
+        connection drops before the server ran it) only leaves the delivery in ``unacked``:
+        restored after the visibility timeout, it is redelivered and its copy acked unrun."""
         qos = self.qos
+        pool = qos.channel.pool
         removal = [
             ("ZREM", qos.unacked_index_key, delivery_tag),
             ("HDEL", qos.unacked_key, delivery_tag),
         ]
-        if self._ran(removal):
-            local_ack: Any = VirtualQoS.ack
-            local_ack(qos, delivery_tag)
-        else:
-            self.kombu_ack(qos, delivery_tag)
+        if type(pool) is redis.ConnectionPool:
+            try:
+                self.caller.send_commands(pool, removal, f"kombu's ack of {delivery_tag}")
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass  # not written in full: kombu's own, with redis-py's retries
+            else:
+                local_ack: Any = VirtualQoS.ack
+                local_ack(qos, delivery_tag)
+                return
+        self.kombu_ack(qos, delivery_tag)
 
     def _ran(self, commands: list[tuple[Any, ...]]) -> bool:
         """Run ``commands`` in one transaction on the kept connection: True once they ran,

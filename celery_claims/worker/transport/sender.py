@@ -36,12 +36,15 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import redis
+from celery.utils.log import get_logger
 
 from celery_claims.claims.calls import ScriptCall
 from celery_claims.claims.redis import RedisClaimManager
 from celery_claims.connection import socket_of
 from celery_claims.errors import BackendUnavailable, InvalidArgument
 from celery_claims.worker.transport.resp import Replies
+
+logger = get_logger("celery_claims.worker")
 
 __all__ = [
     "ScriptCaller",
@@ -439,6 +442,19 @@ class ScriptCaller:
         """
         return self._on_kept(pool, _Kept.commands, commands)
 
+    def send_commands(self, pool: Any, commands: list[tuple[Any, ...]], what: str) -> None:
+        """Send ``commands`` in one ``MULTI``/``EXEC`` to the server of ``pool`` without
+        waiting for the replies: they are read before the connection's next use, and an
+        error among them is logged there, naming ``what`` (kombu's ack of a delivery: a
+        write whose loss only leaves the delivery to be restored and redelivered).
+
+        Raises:
+            redis.ConnectionError, redis.TimeoutError: the transaction was not written in
+                full (it may or may not run); the connection is dropped.
+            InvalidArgument: ``pool`` is not a standalone server's (:func:`usable`).
+        """
+        self._on_kept(pool, _Kept.send_commands, commands, what)
+
     def _on_kept(self, pool: Any, use: Callable[..., Any], *args: Any) -> Any:
         """``use(kept, *args)`` on a kept connection of ``pool``'s server, taken for the
         call."""
@@ -475,13 +491,16 @@ class ScriptCaller:
 class _Kept:
     """One connection of a :class:`ScriptCaller`, and the scripts loaded on it."""
 
-    __slots__ = ("_poll", "_polled", "conn", "loaded", "pool", "replies")
+    __slots__ = ("_poll", "_polled", "conn", "loaded", "owed", "pool", "replies")
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.conn = pool.make_connection()
         self.replies = Replies(self.conn)
         self.loaded: set[str] = set()
+        #: transactions sent without waiting (:meth:`send_commands`): their reply count and
+        #: what each was, read before the connection's next use
+        self.owed: list[tuple[int, str]] = []
         self._poll: Any = None  # a poll object with the connection's socket registered
         # that socket, weakly: a strong reference changed the order in which a cycle's
         # finalizers ran, and the socket's own could warn "unclosed" before the connection's
@@ -526,9 +545,36 @@ class _Kept:
             raise result
         return result
 
+    def send_commands(self, commands: list[tuple[Any, ...]], what: str) -> None:
+        self._ready()
+        conn = self.conn
+        packed = pack_commands([("MULTI",), *commands, ("EXEC",)], conn)
+        conn.send_packed_command([b"".join(packed)])
+        self.owed.append((len(commands) + 2, what))
+
+    def _read_owed(self) -> None:
+        """Read the replies of the transactions sent without waiting, logging their errors;
+        a connection that cannot give them is dropped (whether they ran is not known)."""
+        owed, self.owed = self.owed, []
+        read = self.replies.read_any
+        try:
+            for count, what in owed:
+                replies = [read() for _ in range(count)]
+                result = replies[-1]
+                errors = [result] if isinstance(result, Exception) else []
+                errors += [r for r in result or () if isinstance(r, Exception)]
+                for error in errors:
+                    logger.warning("%s failed: %s", what, error)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            logger.warning("%s: no reply (%r); its delivery may be redelivered", owed[-1][1], exc)
+            self.conn.disconnect()
+            self.loaded.clear()
+
     def _ready(self) -> None:
         """Connect, or find that the server closed the connection meanwhile and connect
         again: nothing was sent, so connecting again is safe."""
+        if self.owed:
+            self._read_owed()
         conn = self.conn
         sock = socket_of(conn)
         polled = self._polled
@@ -584,5 +630,6 @@ class _Kept:
         return replies[-1]
 
     def close(self) -> None:
+        self.owed = []
         with contextlib.suppress(Exception):
             self.conn.disconnect()
