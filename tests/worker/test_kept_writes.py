@@ -23,7 +23,7 @@ import redis
 from celery import Celery
 
 from celery_claims.worker.transport.broker import keep_writes
-from tests.servers import RedisServer, command_calls, redis_server
+from tests.servers import RedisServer, command_calls, free_port, redis_server
 from tests.worker.helpers import close_app, in_process_worker, make_app, unique, wait_for
 from tests.worker.kombu_channel import Channel
 
@@ -182,6 +182,30 @@ def test_an_ack_the_broker_refuses_is_logged_at_the_next_write(
     assert "kombu's ack of" in caplog.text
     assert "WRONGTYPE" in caplog.text
     wait_for(lambda: kept.unacked() == (0, 0), timeout=5, what="the second ack")
+
+
+def test_an_ack_the_broker_refuses_whole_is_logged_and_its_delivery_left(
+    kept: Kept, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a delivered message, and the broker made a read-only replica (of no master that
+    # answers: it keeps its data), so that the ack's transaction is refused whole (EXECABORT)
+    kept.publish("t1", "t2")
+    message = kept.deliver()
+    kept.store.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+    try:
+        # When it is acked, nothing is raised (the reply is not waited for)
+        message.ack()
+    finally:
+        kept.store.execute_command("REPLICAOF", "NO", "ONE")
+    # Then the next write logs the refusal, and the delivery is still in unacked (to be
+    # restored and redelivered, as after a lost ack)
+    with caplog.at_level("WARNING", logger="celery_claims.worker"):
+        second = kept.deliver()
+    assert "kombu's ack of" in caplog.text
+    assert "read only replica" in caplog.text, caplog.text
+    assert kept.store.hexists("unacked", message.delivery_tag)
+    second.ack()
+    wait_for(lambda: kept.unacked() == (1, 1), timeout=5, what="the second ack")
 
 
 def test_a_write_the_server_refuses_fails_as_kombus_would(kept: Kept) -> None:

@@ -560,9 +560,12 @@ class _Kept:
         try:
             for count, what in owed:
                 replies = [read() for _ in range(count)]
+                # a command refused as it was queued (READONLY), then EXEC's refusal
+                # (EXECABORT) or the errors of the commands it ran
+                errors = [r for r in replies if isinstance(r, Exception)]
                 result = replies[-1]
-                errors = [result] if isinstance(result, Exception) else []
-                errors += [r for r in result or () if isinstance(r, Exception)]
+                if isinstance(result, list):
+                    errors += [r for r in result if isinstance(r, Exception)]
                 for error in errors:
                     logger.warning("%s failed: %s", what, error)
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
