@@ -340,6 +340,12 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument(
+        "--tasks-10ms",
+        type=int,
+        help="tasks a batch of 10 ms tasks (--tasks unless given): no-op batches long enough "
+        "to time steadily, 10 ms ones within the run's time",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="100 tasks, 1 round, prefork only")
@@ -376,7 +382,8 @@ def main() -> None:
         chosen = opts.variants.split(",")
         opts.variants = ",".join(chosen + [v for v in BASE_VARIANTS if v not in chosen])
     os.environ["BENCH_PREFETCH"] = str(opts.prefetch)  # read by every worker started below
-    tasks, rounds, warmup = opts.tasks, opts.rounds, opts.warmup
+    rounds, warmup = opts.rounds, opts.warmup
+    per_kind = {"noop": opts.tasks, "10ms": opts.tasks_10ms or opts.tasks}
     variants = tuple(opts.variants.split(","))
     pools = tuple(opts.pools.split(","))
     unknown = set(opts.kinds.split(",")) - {kind for kind, _ in KINDS}
@@ -384,7 +391,8 @@ def main() -> None:
         parser.error(f"--kinds: unknown {', '.join(sorted(unknown))}; choose among noop, 10ms")
     kinds = tuple((kind, task) for kind, task in KINDS if kind in opts.kinds.split(","))
     if opts.quick:
-        tasks, rounds, warmup, pools = 100, 1, 10, ("prefork",)
+        rounds, warmup, pools = 1, 10, ("prefork",)
+        per_kind = {"noop": 100, "10ms": 100}
     assert variants[0] == "plain", "ratios are against plain Celery: list it first"
     logs = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     times: dict[tuple[str, str, str], list[float]] = {}
@@ -444,6 +452,7 @@ def main() -> None:
                     # rotate the order so no variant always runs first (or on a warmer machine)
                     order = variants[rnd % len(variants) :] + variants[: rnd % len(variants)]
                     for kind, task in kinds:
+                        tasks = per_kind[kind]
                         measured: dict[str, float] = {}
                         # an untimed batch first: the first batch after a change of pace (the
                         # idle 10 ms phase, the warm-up) ran up to 1.7x slower whichever
@@ -514,7 +523,8 @@ def main() -> None:
                     publisher.close()
         client.close()
         store.close()
-    print(f"\n{tasks} tasks per batch, {rounds} round(s); ratio = time / plain Celery's time")
+    sizes = ", ".join(f"{per_kind[kind]} {kind}" for kind, _ in kinds)
+    print(f"\n{sizes} tasks per batch, {rounds} round(s); ratio = time / plain Celery's time")
     print("store calls: EVALSHA on the separate claim store per message, median (a producer")
     print("that journals, above, makes one of them per message: its publish journal write)")
     print("CPU: µs per message of the worker's main process, its pool processes, the")
@@ -533,7 +543,7 @@ def main() -> None:
             plain_cpu = [statistics.median(c) for c in zip(*plain, strict=True)]
             for variant in variants:
                 key = (pool, kind, variant)
-                rate = tasks / statistics.median(times[key])
+                rate = per_kind[kind] / statistics.median(times[key])
                 per_round = " / ".join(f"{r:.3f}" for r in ratios[key])
                 on_store = f"{statistics.median(calls[key]):.2f}" if key in calls else ""
                 cpu = [statistics.median(c) for c in zip(*cpus[key], strict=True)]
