@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -40,13 +41,30 @@ def claims(store_server: RedisServer, key_prefix: str) -> Iterator[RedisClaimMan
         manager.client.close()
 
 
+#: Set on a test item whose call failed (read by :func:`fleet` at teardown).
+CALL_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    report = yield
+    if getattr(report, "when", None) == "call" and getattr(report, "failed", False):
+        item.stash[CALL_FAILED] = True
+    return report
+
+
 @pytest.fixture
-def fleet() -> Iterator[Fleet]:
-    """Worker/beat subprocesses of one test; every process group is killed at the end."""
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    """Worker/beat subprocesses of one test; every process group is killed at the end. Where
+    the test failed, the tail of each process's log goes to the failure's report (its
+    captured teardown output): a failure that happens once in a while in CI says what the
+    workers did."""
     procs = Fleet()
     try:
         yield procs
     finally:
+        if request.node.stash.get(CALL_FAILED, False):
+            print(procs.logs(), file=sys.stderr)
         procs.cleanup()
 
 
