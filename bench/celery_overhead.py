@@ -94,6 +94,8 @@ BASELINE: Path | None = None
 BASE_VARIANTS = ("claims-base", "claims-sep-base")
 #: Where each worker's main-thread profile goes (``--profile``), or None.
 PROFILE_DIR: Path | None = None
+#: How long the last batch of each queue took to publish, in s (the producer's part of its time).
+PUBLISH_S: dict[str, float] = {}
 #: Tasks published so far to each queue, every batch counted (warm-up and untimed ones too).
 PUBLISHED: dict[str, int] = {}
 #: Longest wait for a producer's journal keys to show on the servers (a store apart is
@@ -219,6 +221,7 @@ def run_batch(
     start = time.perf_counter()
     # waited for before the polling starts, as when the producer ran in this process
     publisher.publish(task, n, unique_offset(), queue)
+    PUBLISH_S[queue] = time.perf_counter() - start
     PUBLISHED[queue] = PUBLISHED.get(queue, 0) + n
     deadline = time.monotonic() + timeout
     # a message acked at claim leaves the broker before it runs: its batch is over once every
@@ -510,7 +513,8 @@ def main() -> None:
                             ][-1]
                             print(
                                 f"round {rnd + 1} {pool:7} {kind:4} {variant:9} {took:7.3f} s "
-                                f"{tasks / took:7.0f} tasks/s  x{ratio:.3f}  CPU us/msg main "
+                                f"{tasks / took:7.0f} tasks/s  x{ratio:.3f}  published in "
+                                f"{PUBLISH_S[f'bench-{variant}-{pool}']:.3f} s  CPU us/msg main "
                                 f"{main_us:.0f} pool {pool_us:.0f} broker {server_us:.0f} "
                                 f"producer {producer_us:.0f} store {store_us:.0f} "
                                 f"total {total_us:.0f}{on_store}",
