@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -165,6 +167,33 @@ def test_an_ack_is_sent_without_waiting_for_the_brokers_reply(
     wait_for(lambda: kept.unacked() == (0, 0), timeout=5, what="the ack")
     kept.deliver().ack()
     wait_for(lambda: kept.unacked() == (0, 0), timeout=5, what="the second ack")
+
+
+def test_an_ack_the_broker_never_read_is_sent_again_once_its_connection_is_found_lost() -> None:
+    # Given a broker that writes every command to its AOF, and a delivered message
+    server = RedisServer(["--appendonly", "yes", "--appendfsync", "always"]).start()
+    kept = Kept(server)
+    try:
+        kept.publish("t1", "t2")
+        message = kept.deliver()
+        # When it is acked while the broker reads nothing (SIGSTOP), and the broker is then
+        # killed with the ack unread and started again from its AOF (the delivery still
+        # recorded there)
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        message.ack()
+        server.stop(signal.SIGKILL)
+        server.start()
+        assert server.client().hexists("unacked", message.delivery_tag)
+        # Then the next write finds the ack's connection lost and sends the removal again
+        # through kombu's own pipeline: the delivery is not left to be redelivered
+        second = kept.deliver()
+        assert not kept.store.hexists("unacked", message.delivery_tag)
+        second.ack()
+        wait_for(lambda: kept.unacked() == (0, 0), timeout=5, what="the second ack")
+    finally:
+        kept.close()
+        server.cleanup()
 
 
 @contextlib.contextmanager

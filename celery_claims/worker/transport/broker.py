@@ -13,6 +13,7 @@ expects is missing (no refresh, no local forget: the broker then redelivers).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -333,6 +334,12 @@ def _append_and_claim(
         return result
 
 
+def _remove_again(qos: Any, delivery_tag: Any) -> None:
+    """kombu's removal of ``delivery_tag`` from its unacked set, through its own pipeline
+    (an ack whose replies the kept connection lost); kombu's memory already forgot it."""
+    qos._remove_from_indices(delivery_tag).execute()
+
+
 #: Attribute of a QoS whose ``append`` and ``ack`` go on a kept connection (:func:`keep_writes`).
 _KEPT_HOOK = "_celery_claims_kept_writes"
 
@@ -389,10 +396,13 @@ class _KeptWrites:
 
     def ack(self, delivery_tag: Any) -> None:
         """kombu's ack, its replies not waited for: read before the kept connection's next
-        write (an error among them logged there). Every ack comes after the copy's record (or
-        for a task whose record is not the worker's to write), so one that is lost (the
-        connection drops before the server ran it) only leaves the delivery in ``unacked``:
-        restored after the visibility timeout, it is redelivered and its copy acked unrun."""
+        write (an error among them logged there). Where the connection is found lost before
+        they were read (the broker restarted), the removal is sent again through kombu's own
+        pipeline, with redis-py's retries (both commands are idempotent), as kombu's ack
+        would have been. Every ack comes after the copy's record (or is of a task whose
+        record is not the worker's to write): one lost all the same (the worker idle until
+        the visibility timeout) only leaves the delivery in ``unacked``, restored and
+        redelivered, its copy acked unrun if recorded done."""
         qos = self.qos
         pool = qos.channel.pool
         removal = [
@@ -401,7 +411,12 @@ class _KeptWrites:
         ]
         if type(pool) is redis.ConnectionPool:
             try:
-                self.caller.send_commands(pool, removal, f"kombu's ack of {delivery_tag}")
+                self.caller.send_commands(
+                    pool,
+                    removal,
+                    f"kombu's ack of {delivery_tag}",
+                    functools.partial(_remove_again, qos, delivery_tag),
+                )
             except (redis.ConnectionError, redis.TimeoutError):
                 pass  # not written in full: kombu's own, with redis-py's retries
             else:

@@ -442,18 +442,25 @@ class ScriptCaller:
         """
         return self._on_kept(pool, _Kept.commands, commands)
 
-    def send_commands(self, pool: Any, commands: list[tuple[Any, ...]], what: str) -> None:
+    def send_commands(
+        self,
+        pool: Any,
+        commands: list[tuple[Any, ...]],
+        what: str,
+        on_lost: Callable[[], object],
+    ) -> None:
         """Send ``commands`` in one ``MULTI``/``EXEC`` to the server of ``pool`` without
         waiting for the replies: they are read before the connection's next use, and an
-        error among them is logged there, naming ``what`` (kombu's ack of a delivery: a
-        write whose loss only leaves the delivery to be restored and redelivered).
+        error among them is logged there, naming ``what``. Where the connection is found
+        lost before they were read (whether the commands ran is not known), ``on_lost()``
+        runs then: the same writes sent again another way (they must be idempotent).
 
         Raises:
             redis.ConnectionError, redis.TimeoutError: the transaction was not written in
                 full (it may or may not run); the connection is dropped.
             InvalidArgument: ``pool`` is not a standalone server's (:func:`usable`).
         """
-        self._on_kept(pool, _Kept.send_commands, commands, what)
+        self._on_kept(pool, _Kept.send_commands, commands, what, on_lost)
 
     def _on_kept(self, pool: Any, use: Callable[..., Any], *args: Any) -> Any:
         """``use(kept, *args)`` on a kept connection of ``pool``'s server, taken for the
@@ -498,9 +505,9 @@ class _Kept:
         self.conn = pool.make_connection()
         self.replies = Replies(self.conn)
         self.loaded: set[str] = set()
-        #: transactions sent without waiting (:meth:`send_commands`): their reply count and
-        #: what each was, read before the connection's next use
-        self.owed: list[tuple[int, str]] = []
+        #: transactions sent without waiting (:meth:`send_commands`): their reply count, what
+        #: each was and what sends it again, read before the connection's next use
+        self.owed: list[tuple[int, str, Callable[[], object]]] = []
         self._poll: Any = None  # a poll object with the connection's socket registered
         # that socket, weakly: a strong reference changed the order in which a cycle's
         # finalizers ran, and the socket's own could warn "unclosed" before the connection's
@@ -545,21 +552,26 @@ class _Kept:
             raise result
         return result
 
-    def send_commands(self, commands: list[tuple[Any, ...]], what: str) -> None:
+    def send_commands(
+        self, commands: list[tuple[Any, ...]], what: str, on_lost: Callable[[], object]
+    ) -> None:
         self._ready()
         conn = self.conn
         packed = pack_commands([("MULTI",), *commands, ("EXEC",)], conn)
         conn.send_packed_command([b"".join(packed)])
-        self.owed.append((len(commands) + 2, what))
+        self.owed.append((len(commands) + 2, what, on_lost))
 
     def _read_owed(self) -> None:
-        """Read the replies of the transactions sent without waiting, logging their errors;
-        a connection that cannot give them is dropped (whether they ran is not known)."""
+        """Read the replies of the transactions sent without waiting, logging their errors.
+        A connection that cannot give them is dropped, and each transaction whose replies
+        were not all read is sent again by its ``on_lost`` (whether it ran is not known)."""
         owed, self.owed = self.owed, []
         read = self.replies.read_any
+        done = 0  # the transactions whose replies were all read
         try:
-            for count, what in owed:
+            for count, what, _ in owed:
                 replies = [read() for _ in range(count)]
+                done += 1
                 # a command refused as it was queued (READONLY), then EXEC's refusal
                 # (EXECABORT) or the errors of the commands it ran
                 errors = [r for r in replies if isinstance(r, Exception)]
@@ -569,9 +581,14 @@ class _Kept:
                 for error in errors:
                     logger.warning("%s failed: %s", what, error)
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            logger.warning("%s: no reply (%r); its delivery may be redelivered", owed[-1][1], exc)
             self.conn.disconnect()
             self.loaded.clear()
+            for _, what, on_lost in owed[done:]:
+                logger.warning("%s: no reply (%r); sent again", what, exc)
+                try:
+                    on_lost()
+                except Exception as again:
+                    logger.warning("%s: not sent again: %r", what, again)
 
     def _ready(self) -> None:
         """Connect, or find that the server closed the connection meanwhile and connect
