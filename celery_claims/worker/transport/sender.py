@@ -379,7 +379,9 @@ class ScriptSender:
 class ScriptCaller:
     """Script calls waited for, each on a connection this process keeps for them: alone
     (:meth:`call`) or at the end of a ``MULTI``/``EXEC`` (:meth:`transaction`, kombu's
-    append with the claim in it).
+    append with the claim in it); kombu's own transactions too, waited for (:meth:`commands`)
+    or not (:meth:`send_commands`, kombu's ack: its replies read before the connection's
+    next use).
 
     The connections are made from the client's pool but never go back to it: taking one is a
     ``list.pop``, where redis-py's pool takes a lock, checks and counts. Each remembers the
