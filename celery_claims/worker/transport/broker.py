@@ -334,9 +334,26 @@ def _append_and_claim(
         return result
 
 
-def _remove_again(qos: Any, delivery_tag: Any) -> None:
+def _remove_again(qos: Any, delivery_tag: Any, sent_at: float) -> None:
     """kombu's removal of ``delivery_tag`` from its unacked set, through its own pipeline
-    (an ack whose replies the kept connection lost); kombu's memory already forgot it."""
+    (an ack whose replies the kept connection lost, sent at ``sent_at``, monotonic);
+    kombu's memory already forgot it.
+
+    Only within half the visibility timeout of the ack: later, the delivery may have been
+    restored and delivered again, and on the Redis broker that copy keeps the same tag, so
+    its record in ``unacked`` is this one: removing it would leave a live copy with nothing
+    to restore it from. Left, the delivery is restored and redelivered instead (its copy
+    acked unrun if recorded done).
+    """
+    late = time.monotonic() - sent_at
+    if late > float(getattr(qos.channel, "visibility_timeout", 3600) or 3600) / 2:
+        logger.warning(
+            "kombu's ack of %s: not sent again %.0f s after it (half the visibility timeout "
+            "has passed: the delivery may be another copy's now); it may be redelivered",
+            delivery_tag,
+            late,
+        )
+        return
     qos._remove_from_indices(delivery_tag).execute()
 
 
@@ -399,7 +416,8 @@ class _KeptWrites:
         write (an error among them logged there). Where the connection is found lost before
         they were read (the broker restarted), the removal is sent again through kombu's own
         pipeline, with redis-py's retries (both commands are idempotent), as kombu's ack
-        would have been. Every ack comes after the copy's record (or is of a task whose
+        would have been, unless half the visibility timeout has passed since
+        (:func:`_remove_again`). Every ack comes after the copy's record (or is of a task whose
         record is not the worker's to write): one lost all the same (the worker idle until
         the visibility timeout) only leaves the delivery in ``unacked``, restored and
         redelivered, its copy acked unrun if recorded done."""
@@ -415,7 +433,7 @@ class _KeptWrites:
                     pool,
                     removal,
                     f"kombu's ack of {delivery_tag}",
-                    functools.partial(_remove_again, qos, delivery_tag),
+                    functools.partial(_remove_again, qos, delivery_tag, time.monotonic()),
                 )
             except (redis.ConnectionError, redis.TimeoutError):
                 pass  # not written in full: kombu's own, with redis-py's retries
