@@ -27,6 +27,7 @@ from kombu.utils import json
 
 from celery_claims.claims.calls import ScriptCall
 from celery_claims.connection import server_of
+from celery_claims.safety import KOMBU_DEFAULT_VISIBILITY_TIMEOUT_S
 from celery_claims.worker.compat import close_with
 from celery_claims.worker.transport.sender import ScriptCaller
 
@@ -346,7 +347,8 @@ def _remove_again(qos: Any, delivery_tag: Any, sent_at: float) -> None:
     acked unrun if recorded done).
     """
     late = time.monotonic() - sent_at
-    if late > float(getattr(qos.channel, "visibility_timeout", 3600) or 3600) / 2:
+    timeout_s = getattr(qos.channel, "visibility_timeout", KOMBU_DEFAULT_VISIBILITY_TIMEOUT_S)
+    if late > float(timeout_s) / 2:
         logger.warning(
             "kombu's ack of %s: not sent again %.0f s after it (half the visibility timeout "
             "has passed: the delivery may be another copy's now); it may be redelivered",
