@@ -195,22 +195,32 @@ class RedisJournal:
         with translate_errors():
             return call.decode(call.script(keys=call.keys, args=call.args))
 
-    def publish_call(self, put: ScriptCall[int], list_key: str, payload: str) -> ScriptCall[int]:
-        """``put`` (a :meth:`put_call`) that also pushes ``payload`` to ``list_key``, first,
-        in the same script: a Redis broker's publish and its journal entry in one step.
+    def publish_call(
+        self,
+        queue_id: str,
+        task_id: str,
+        list_key: str,
+        payload: str,
+        *,
+        recover_after_ms: int,
+        eta_ms: int | None = None,
+    ) -> ScriptCall[int]:
+        """The checked, unsent push of ``payload`` to ``list_key`` with its journal entry, in
+        one script, the push first: a Redis broker's publish (``payload``: kombu's message as
+        its Redis transport pushes it) and its entry in one step. The entry is ``payload``
+        itself; its recover time and the call's result as in :meth:`put_call`.
 
         For a store that is the broker's own server and database (standalone: the broker's
         list and the journal's keys are in different slots).
 
         Raises:
-            InvalidArgument: a bad list key or payload.
+            InvalidArgument: a bad id, list key, payload, delay or ETA.
         """
-        if len(put.args) != 4:
-            raise InvalidArgument("put", "a kept write is never published with the message")
+        put = self.put_call(
+            queue_id, task_id, payload, recover_after_ms=recover_after_ms, eta_ms=eta_ms
+        )
         require_id("list_key", list_key)
-        if not isinstance(payload, str) or not payload:
-            raise InvalidArgument("payload", "must be a non-empty str")
-        return ScriptCall(put.script, [*put.keys, list_key], [*put.args, payload], put.decode)
+        return ScriptCall(put.script, [*put.keys, list_key], put.args, put.decode)
 
     def take_due(self, queue_id: str, *, limit: int, defer_ms: int) -> list[JournalEntry]:
         """The entries whose recover time has passed, at most ``limit``, oldest first.

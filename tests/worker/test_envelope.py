@@ -193,3 +193,82 @@ def test_a_body_kombu_cannot_serialize_raises_kombus_encode_error() -> None:
             body=((object(),), {}, EMBED), serializer="json", headers={"task": "t", "id": "i"},
             exchange="", routing_key="q", properties={},
         )  # fmt: skip
+
+
+def _kombus_message(
+    body: Any, serializer: str, body_encoding: str | None, **publish: Any
+) -> dict[str, Any]:
+    """The message kombu's virtual channel hands its ``_put`` for a publish of ``body`` (the
+    Redis transport's ``_put`` pushes it JSON-encoded): published through kombu's own
+    ``Producer`` on its in-memory virtual transport, the channel's body encoding set."""
+    from kombu import Connection, Exchange, Producer, Queue
+
+    with Connection("memory://") as conn:
+        channel = conn.channel()
+        channel.body_encoding = body_encoding
+        exchange = Exchange("ex", "direct")
+        Queue("q", exchange, routing_key="rk")(channel).declare()
+        put: list[dict[str, Any]] = []
+        channel._put = lambda queue, message, **kw: put.append(message)
+        Producer(channel).publish(
+            body, serializer=serializer, exchange=exchange, routing_key="rk", **publish
+        )
+    assert len(put) == 1
+    return put[0]
+
+
+JSON_BODY = ((1, "ü"), {"k": 2.5}, EMBED)
+KOMBU_TYPES_BODY = ((datetime.datetime(2026, 12, 7, tzinfo=UTC), uuid.UUID(int=3)), {}, EMBED)
+
+
+@pytest.mark.parametrize(
+    ("serializer", "body", "body_encoding"),
+    [
+        ("json", JSON_BODY, "base64"),  # kombu's Redis channels' own
+        ("json", JSON_BODY, None),
+        ("json", JSON_BODY, "utf-8"),
+        ("json", KOMBU_TYPES_BODY, "base64"),
+        # a pickled body is bytes: pushed in base64 only
+        ("pickle", ([b"\xff", decimal.Decimal("2.5")], {}, None), "base64"),
+    ],
+)
+def test_a_journaled_kombu_message_reads_as_the_envelope_of_the_same_publish(
+    serializer: str, body: Any, body_encoding: str | None
+) -> None:
+    # Given a task message as Celery hands it to kombu, and the message kombu's virtual
+    # channel pushes for it (what the journal keeps where it rides the Redis broker's push)
+    headers = {"task": "t.echo", "id": "id-9", "retries": 2, "eta": "2026-12-07T08:00:00+00:00"}
+    properties = {"correlation_id": "id-9", "reply_to": "r-1", "priority": 4}
+    pushed = _kombus_message(body, serializer, body_encoding, headers=headers, **properties)
+
+    # When the journal reads the pushed message back
+    env = Envelope.loads(kombu_json.dumps(pushed))
+
+    # Then it is the envelope the journal writes apart for the same publish: the task, its
+    # headers, the body in its serializer, the route, the publisher's properties (kombu's
+    # own left to kombu's re-publish)
+    assert env == Envelope.of(
+        body=body, serializer=serializer, headers=headers, exchange="ex", routing_key="rk",
+        properties=properties,
+    )  # fmt: skip
+    assert env.task_key == "id-9:2:0"
+    assert env.eta_ms == 1796630400000
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (lambda m: m["properties"].update(body_encoding="zlib"), "a message body in 'zlib'"),
+        (lambda m: m["headers"].pop("task"), "no task name and id"),
+        (lambda m: m["properties"].pop("delivery_info"), "delivery_info"),
+        (lambda m: m.update(body=7), "a message body of type int"),
+    ],
+)
+def test_a_kombu_message_the_journal_cannot_read_back_is_refused_naming_why(
+    change: Any, why: str
+) -> None:
+    pushed = _kombus_message(((1,), {}, EMBED), "json", "base64", headers={"task": "t", "id": "i"})
+    change(pushed)
+    with pytest.raises(ValueError, match="unreadable journal envelope") as raised:
+        Envelope.loads(kombu_json.dumps(pushed))
+    assert why in str(raised.value)

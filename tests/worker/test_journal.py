@@ -454,6 +454,44 @@ def test_journal_held_refuses_bad_ids_before_anything_is_sent(journal: RedisJour
         journal.held_call("q", "", "asker")
 
 
+@pytest.mark.parametrize(
+    ("change", "name"),
+    [
+        ({"list_key": ""}, "list_key"),
+        ({"payload": ""}, "message"),
+        ({"payload": b"{}"}, "message"),
+        ({"task_id": ""}, "task_id"),
+        ({"recover_after_ms": -1}, "recover_after_ms"),
+        ({"eta_ms": "soon"}, "eta_ms"),
+    ],
+)
+def test_a_publish_with_its_journal_entry_refuses_bad_input_before_anything_is_sent(
+    journal: RedisJournal, redis_client: redis.Redis, key_prefix: str, change: dict[str, Any],
+    name: str,
+) -> None:  # fmt: skip
+    args: dict[str, Any] = {
+        "task_id": "t1:0:0", "list_key": f"{key_prefix}list", "payload": '{"body": ""}',
+        "recover_after_ms": 1_000, "eta_ms": None, **change,
+    }  # fmt: skip
+    with pytest.raises(InvalidArgument, match=name):
+        journal.publish_call("q", args.pop("task_id"), args.pop("list_key"), **args)
+    assert redis_client.exists(f"{key_prefix}list", *journal.keys("q").journal_keys) == 0
+
+
+def test_a_publish_with_its_journal_entry_pushes_and_journals_the_same_payload(
+    journal: RedisJournal, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    # When a payload is published with its entry (a Redis broker's push and the journal)
+    list_key = f"{key_prefix}list"
+    call = journal.publish_call("q", "t1:0:0", list_key, '{"body": "x"}', recover_after_ms=1_000)
+    at = call.decode(call.script(keys=call.keys, args=call.args))
+
+    # Then the list holds it, the entry is it, due that recover time later
+    assert redis_client.lrange(list_key, 0, -1) == [b'{"body": "x"}']
+    assert journal.entries("q") == {"t1:0:0": ('{"body": "x"}', at)}
+    redis_client.delete(list_key)
+
+
 def test_a_journal_entry_is_due_at_the_exact_ms_its_eta_and_delay_name(
     journal: RedisJournal, redis_client: redis.Redis
 ) -> None:

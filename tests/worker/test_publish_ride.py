@@ -9,6 +9,7 @@ does and the journal writes on its own. Counted on the server with MONITOR.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from celery_claims import RedisClaimManager
 from celery_claims.claims.journal import RedisJournal
 from celery_claims.worker.identity import Attempt, claim_task_id
+from celery_claims.worker.publish.envelope import Envelope
 from celery_claims.worker.transport.publish import PublishRide
 from tests.servers import RedisServer
 from tests.worker.helpers import FAST_REDELIVERY, close_app, in_process_worker, make_app, wait_for
@@ -53,6 +55,16 @@ def test_a_publish_and_its_journal_entry_are_one_script_on_the_queues_own_list(
         monitor = Monitor(private_redis)
         sent = echo.apply_async((1,), **options)
         commands = monitor.stop()
+        # the entry is the message kombu pushed, as it is, and reads as what a re-publish needs
+        list_key = queue if not priority else f"{queue}\x06\x16{priority}"
+        journal = RedisJournal(client=store.client, prefix=key_prefix)
+        entry = journal.entries(queue)[claim_task_id(sent.id, Attempt(0, 0))][0]
+        assert entry.encode() == store.client.lindex(list_key, 0)
+        envelope = Envelope.loads(entry)
+        assert (envelope.task, envelope.task_id, envelope.routing_key) == ("t.echo", sent.id, queue)
+        assert json.loads(envelope.body)[0] == [1]
+        assert envelope.properties["correlation_id"] == sent.id
+        assert envelope.properties["priority"] == (priority or 0)
         with in_process_worker(app) as worker:
             counters = worker.claims.counters
             wait_for(lambda: counters.get("completed") == 2, timeout=30, what="both tasks")
@@ -60,10 +72,12 @@ def test_a_publish_and_its_journal_entry_are_one_script_on_the_queues_own_list(
         close_app(app)
     puts = [w for _, w in commands if w[:2] == ["EVALSHA", sha]]
     assert len(puts) == 1
-    # KEYS[4] is the list kombu pushes to: the queue's own, or its list for that priority
+    # KEYS[4] is the list kombu pushes to: the queue's own, or its list for that priority;
+    # the message goes once (ARGV[2]: pushed and journaled)
     channel_key = queue if not priority else f"{queue}\\x06\\x16{priority}"
     assert puts[0][2] == "4"
     assert puts[0][6].strip('"') == channel_key
+    assert sum(word == '{"body":' for word in puts[0]) == 1
     assert [w for _, w in commands if w[0] == "LPUSH"] == []
     assert store.done_record(queue, claim_task_id(sent.id, Attempt(0, 0))) is not None
 

@@ -6,13 +6,13 @@
 -- KEYS[4] = the Redis broker's list of the queue (kombu's), or absent: the message is then
 --           published on its own
 -- ARGV[1] = task id (the attempt's claim id)
--- ARGV[2] = the message (JSON envelope)
+-- ARGV[2] = the message: with KEYS[4], kombu's message as its Redis transport pushes it to
+--           that list (pushed there, and journaled as it is); else its JSON envelope
 -- ARGV[3] = ms after the publish (or the ETA) before recovery may act
 -- ARGV[4] = the message's ETA in epoch ms, or '' for none
--- ARGV[5] = with KEYS[4]: the message as kombu pushes it to that list; with 3 KEYS, 'keep':
---           an entry already there keeps its message and re-publish count (a worker
---           journaling a message it acks at claim), its recover time brought forward to
---           ARGV[3] after now if that is sooner
+-- ARGV[5] = absent, or with 3 KEYS, 'keep': an entry already there keeps its message and
+--           re-publish count (a worker journaling a message it acks at claim), its recover
+--           time brought forward to ARGV[3] after now if that is sooner
 -- returns: the recover time (epoch ms, the server's clock)
 local t = redis.call('TIME')
 local us = tonumber(t[2])
@@ -32,7 +32,7 @@ if #KEYS == 3 and ARGV[5] == 'keep' then
 end
 if #KEYS == 4 then
   -- first: a push the server refuses journals nothing (the publish fails, as kombu's would)
-  redis.call('LPUSH', KEYS[4], ARGV[5])
+  redis.call('LPUSH', KEYS[4], ARGV[2])
 end
 local from = now
 -- an ETA task waits in a worker's memory until it is due: recovery counts from then

@@ -1,4 +1,15 @@
-"""The envelope a journal entry keeps: a published message, enough to publish it again."""
+"""The envelope a journal entry keeps: a published message, enough to publish it again.
+
+An entry is written in one of two forms, both read by :meth:`Envelope.loads`:
+
+- **kombu's message as its Redis transport pushes it** (``{"body": ..., "content-type": ...,
+  "headers": ..., "properties": {"delivery_info": ..., "body_encoding": ...}}``): where the
+  entry rides the publish on the Redis broker (:class:`~celery_claims.worker.transport.publish.
+  PublishRide`), the payload kombu serialized for its ``LPUSH`` is journaled as it is, so the
+  producer encodes nothing of its own for the journal;
+- **the envelope** (``{"v": 1, "task": ..., "body": <base64>, ...}``, :meth:`Envelope.dumps`):
+  everywhere else (another broker, a store apart, a message a worker journals itself).
+"""
 
 from __future__ import annotations
 
@@ -13,15 +24,22 @@ from kombu.serialization import dumps as serialize
 from kombu.utils import json
 
 from celery_claims.worker.identity import attempt_task_id
-from celery_claims.worker.transport.publish import kombu_json_codec
+from celery_claims.worker.transport.publish import RIDE_BODY_ENCODINGS, kombu_json_codec
 
-__all__ = ["Envelope"]
+__all__ = ["Envelope", "eta_ms_of"]
 
 #: Envelope format version.
 _VERSION = 1
 
 #: The publish properties of a delivered message that a re-publish carries again.
 _REPUBLISHED = ("correlation_id", "reply_to", "priority")
+
+#: The properties kombu sets on a message as it publishes it (``Producer.publish``, the
+#: virtual channel's ``prepare_message`` and ``basic_publish``), not the publisher's: a
+#: re-publish of a journaled kombu message leaves them to kombu again.
+_SET_BY_KOMBU = frozenset(
+    {"delivery_info", "delivery_tag", "body_encoding", "delivery_mode", "expiration"}
+)
 
 
 def _refuse(value: Any) -> Any:
@@ -61,6 +79,11 @@ def _json_text(value: Any) -> str:
     if text is None:
         text = str(json.dumps(value))  # type: ignore[no-untyped-call]  # kombu is untyped
     return text
+
+
+def eta_ms_of(headers: Mapping[str, Any]) -> int | None:
+    """The ETA of a message with ``headers`` in epoch ms, or None."""
+    return _epoch_ms(headers.get("eta"))
 
 
 def _epoch_ms(value: Any) -> int | None:
@@ -193,7 +216,7 @@ class Envelope:
     @property
     def eta_ms(self) -> int | None:
         """Its ETA in epoch ms, or None."""
-        return _epoch_ms(self.headers.get("eta"))
+        return eta_ms_of(self.headers)
 
     def expired(self, now_ms: int) -> bool:
         """True if its ``expires`` has passed at ``now_ms`` (Celery would drop it)."""
@@ -221,13 +244,18 @@ class Envelope:
 
     @classmethod
     def loads(cls, text: str) -> Envelope:
-        """The envelope :meth:`dumps` wrote.
+        """The envelope of a journal entry: one :meth:`dumps` wrote, or kombu's message as its
+        Redis transport pushed it (the module docstring).
 
         Raises:
-            ValueError: not an envelope this version can read.
+            ValueError: neither form, or not a version this one can read.
         """
         try:
             raw = json.loads(text)  # type: ignore[no-untyped-call]  # kombu is untyped
+            if not isinstance(raw, dict):
+                raise ValueError(f"a JSON {type(raw).__name__}, not an object")
+            if "v" not in raw:
+                return cls._of_kombu_message(raw)
             if raw["v"] != _VERSION:
                 raise ValueError(f"journal envelope version {raw['v']!r}")
             return cls(
@@ -243,3 +271,39 @@ class Envelope:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"unreadable journal envelope: {exc!r}") from exc
+
+    @classmethod
+    def _of_kombu_message(cls, raw: Mapping[str, Any]) -> Envelope:
+        """The envelope of kombu's message as its Redis transport pushes it (read in kombu
+        5.3 to 5.7: ``kombu/transport/virtual/base.py``, ``prepare_message`` and
+        ``_inplace_augment_message``): its body decoded from the channel's body encoding, its
+        route from ``delivery_info``, and the publisher's properties without kombu's own."""
+        headers = dict(raw["headers"])
+        task, task_id = headers.get("task"), headers.get("id")
+        if not isinstance(task, str) or not isinstance(task_id, str) or not task_id:
+            raise ValueError("the message headers carry no task name and id")
+        properties = dict(raw["properties"])
+        encoding = properties.get("body_encoding")
+        if encoding not in RIDE_BODY_ENCODINGS:
+            raise ValueError(f"a message body in {encoding!r}, not one of {RIDE_BODY_ENCODINGS}")
+        content_encoding = str(raw["content-encoding"] or "")
+        body = raw["body"]
+        if isinstance(body, str):
+            if encoding == "base64":
+                body = base64.b64decode(body)
+            else:
+                body = body.encode(content_encoding or "utf-8")
+        elif not isinstance(body, bytes) or encoding == "base64":
+            raise ValueError(f"a message body of type {type(body).__name__}")
+        route = properties["delivery_info"]
+        return cls(
+            task=task,
+            task_id=task_id,
+            headers=headers,
+            body=body,
+            content_type=str(raw["content-type"] or ""),
+            content_encoding=content_encoding,
+            exchange=str(route["exchange"] or ""),
+            routing_key=str(route["routing_key"] or ""),
+            properties={k: v for k, v in properties.items() if k not in _SET_BY_KOMBU},
+        )

@@ -20,9 +20,9 @@ from celery_claims.claims.journal import RedisJournal
 from celery_claims.connection import close as close_client
 from celery_claims.errors import ClaimError, InvalidArgument
 from celery_claims.worker.compat import close_with, wrap_send_task, wrap_task_sender
-from celery_claims.worker.identity import QueueResolver
+from celery_claims.worker.identity import QueueResolver, attempt_task_id
 from celery_claims.worker.policy import is_exempt
-from celery_claims.worker.publish.envelope import Envelope
+from celery_claims.worker.publish.envelope import Envelope, eta_ms_of
 from celery_claims.worker.publish.runs import stamp
 from celery_claims.worker.settings import ClaimsSettings, load_settings
 from celery_claims.worker.signals import Counters
@@ -59,12 +59,39 @@ READ_EVERY = 16
 
 
 @dataclass(eq=False, slots=True)
+class _Message:
+    """A task message as ``before_task_publish`` sees it, about to go out: what its journal
+    entry is made of, serialized only where the entry is written apart (:meth:`envelope`);
+    an entry riding the publish is kombu's own serialized message."""
+
+    body: Any
+    serializer: str
+    headers: dict[str, Any]
+    exchange: str
+    routing_key: str
+    properties: Any
+    #: the claim store's task id of its attempt
+    task_key: str
+
+    def envelope(self) -> Envelope:
+        """Its envelope (raises what :meth:`Envelope.of` raises)."""
+        return Envelope.of(
+            body=self.body,
+            serializer=self.serializer,
+            headers=self.headers,
+            exchange=self.exchange,
+            routing_key=self.routing_key,
+            properties=self.properties,
+        )
+
+
+@dataclass(eq=False, slots=True)
 class _Capture:
     """What one ``send_task`` call of a journaling app publishes (set in a context var)."""
 
     journal: ProducerJournal
     serializer: str | None
-    envelope: Envelope | None = None
+    message: _Message | None = None
     error: Exception | None = None
     exempt: bool = False
     #: written with the publish itself (:class:`~.compat.PublishRide`)
@@ -91,7 +118,7 @@ def _on_before_publish(
     No I/O here: the write comes once the broker has taken the message.
     """
     capture = _publishing.get()
-    if capture is None or capture.envelope is not None or capture.error is not None:
+    if capture is None or capture.message is not None or capture.error is not None:
         return  # not a journaling app's publish, or a nested one already captured
     try:
         name = str(sender)
@@ -107,13 +134,18 @@ def _on_before_publish(
             or getattr(task, "serializer", None)
             or capture.journal.app.conf.task_serializer
         )
-        capture.envelope = Envelope.of(
-            body=body,
-            serializer=serializer,
-            headers=headers or {},
-            exchange=exchange,
-            routing_key=routing_key,
-            properties=properties,
+        headers = headers if type(headers) is dict else dict(headers or {})
+        task_id = headers.get("id")
+        if not isinstance(headers.get("task"), str) or not isinstance(task_id, str) or not task_id:
+            raise ValueError("the message headers carry no task name and id (task protocol 1?)")
+        capture.message = _Message(
+            body,
+            serializer,
+            headers,
+            str(getattr(exchange, "name", exchange) or ""),
+            str(routing_key or ""),
+            properties,
+            attempt_task_id(task_id, headers),
         )
     except Exception as exc:
         # a receiver's error would be swallowed by Celery's Signal.send; say it at the write
@@ -247,42 +279,59 @@ class ProducerJournal:
             logger.debug("celery-claims: the journal cannot ride this producer: %r", exc)
 
     def _ride(self, queue: str, list_key: str, payload: str) -> ScriptCall[int] | None:
-        """The journal write that goes with kombu's push of ``payload`` to ``queue``'s list,
-        or None (kombu publishes alone; :meth:`_write` journals it after the publish)."""
+        """The journal write that goes with kombu's push of ``payload`` to ``queue``'s list
+        (the entry is ``payload`` itself), or None (kombu publishes alone; :meth:`_write`
+        journals it after the publish)."""
         capture = _publishing.get()
         if (
             capture is None
             or capture.journal is not self
             or capture.journaled
             or capture.exempt
-            or capture.envelope is None
+            or capture.message is None
             or self._off is not None
             or time.monotonic() < self._skip_until
         ):
             return None
         try:
-            store, queue_id, put = self._put_call(capture.envelope)
+            message = capture.message
+            queue_id = self._queue_of(message)
             if queue_id != queue:
                 return None  # routed elsewhere too (or otherwise): journaled on its own
-            return store.publish_call(put, list_key, payload)
+            assert self._settings is not None
+            return self._store().publish_call(
+                queue_id,
+                message.task_key,
+                list_key,
+                payload,
+                recover_after_ms=self._settings.journal_recover_after_ms,
+                eta_ms=eta_ms_of(message.headers),
+            )
         except Exception:  # the write on its own says what is wrong
             return None
 
-    def _put_call(self, envelope: Envelope) -> tuple[RedisJournal, str, ScriptCall[int]]:
-        """The journal's store, the queue ``envelope`` goes to, and its unsent entry."""
-        assert self._settings is not None
-        queue_id = self._queues.queue_of(
-            {"exchange": envelope.exchange, "routing_key": envelope.routing_key}
+    def _queue_of(self, message: _Message) -> str:
+        return self._queues.queue_of(
+            {"exchange": message.exchange, "routing_key": message.routing_key}
         )
+
+    def _put_call(self, message: _Message) -> tuple[RedisJournal, ScriptCall[int]]:
+        """The journal's store and ``message``'s unsent entry (its envelope).
+
+        Raises:
+            what :meth:`Envelope.of` raises: the body cannot be serialized.
+        """
+        assert self._settings is not None
+        envelope = message.envelope()
         store = self._store()
         put = store.put_call(
-            queue_id,
-            envelope.task_key,
+            self._queue_of(message),
+            message.task_key,
             envelope.dumps(),
             recover_after_ms=self._settings.journal_recover_after_ms,
             eta_ms=envelope.eta_ms,
         )
-        return store, queue_id, put
+        return store, put
 
     def _rode(self) -> None:
         capture = _publishing.get()
@@ -298,23 +347,24 @@ class ProducerJournal:
         up by the store, and a store that stalls for a moment loses no entry. On Sentinel and
         Cluster it is one blocking round trip.
         """
-        envelope = capture.envelope
+        message = capture.message
         try:
             if self._off is not None:
                 raise InvalidArgument("claims_journal", f"journal off: {self._off}")
-            if envelope is None:
+            if message is None:
                 raise capture.error or ValueError("no message was captured for the journal")
             if time.monotonic() < self._skip_until:
                 self.counters.incr("journal_write_failed")
                 return
-            store, _, call = self._put_call(envelope)
+            store, call = self._put_call(message)
             if ScriptSender.usable(store.client):
                 self._sender.send(store.client, call)
                 return  # counted by _replied
             with translate_errors():
                 call.script(keys=call.keys, args=call.args)
         except Exception as exc:
-            self._failed(exc, f"{envelope.task}[{envelope.task_id}]" if envelope else "")
+            what = f"{message.headers['task']}[{message.headers['id']}]" if message else ""
+            self._failed(exc, what)
             return
         self._written()
 

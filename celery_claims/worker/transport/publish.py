@@ -21,7 +21,7 @@ from celery_claims.connection import server_of
 from celery_claims.worker.compat import close_with
 from celery_claims.worker.transport.sender import ScriptCaller
 
-__all__ = ["PublishRide", "PublishRideFn", "kombu_json_codec"]
+__all__ = ["RIDE_BODY_ENCODINGS", "PublishRide", "PublishRideFn", "kombu_json_codec"]
 
 logger = get_logger("celery_claims.worker")
 
@@ -42,9 +42,15 @@ def kombu_json_codec(serializer: str | None) -> tuple[str, str] | None:
     return content_type, content_encoding
 
 
+#: The body encodings of kombu's virtual channels (``Channel.body_encoding``: base64 unless a
+#: transport option says otherwise; None and utf-8 leave the body as it is) whose messages
+#: the journal keeps as kombu pushes them (:meth:`~celery_claims.worker.publish.envelope.
+#: Envelope.loads` decodes these); a message in another rides nothing and is journaled apart.
+RIDE_BODY_ENCODINGS = ("base64", None, "utf-8")
+
 #: ``ride(queue, list_key, payload)``: the journal write to send with a publish to ``queue``'s
-#: list ``list_key`` of ``payload`` (kombu's serialized message), or None (kombu publishes it
-#: alone); ``rode()`` is told once such a call was taken.
+#: list ``list_key`` of ``payload`` (kombu's serialized message, which the entry keeps as it
+#: is), or None (kombu publishes it alone); ``rode()`` is told once such a call was taken.
 PublishRideFn = Callable[[str, str, str], "ScriptCall[Any] | None"]
 
 
@@ -54,13 +60,14 @@ class PublishRide:
     Where the claim store is the broker's server and database, a producer channel's
     ``_put`` (kombu's Redis ``Channel._put``: one ``LPUSH`` of the serialized message to the
     queue's list, by priority) is replaced, on the channel's instance, by one script that
-    pushes the same payload to the same list and writes the journal entry
-    (``journal_put.lua`` with the list key): the journal costs no write and no round trip of
-    its own, and the message is never in the queue unjournaled. What kombu's ``_put`` does
-    besides (kombu 5.7's publish batches, queues with an expiry) and a channel whose
-    transport prefixes keys get kombu's own ``_put``, and the journal writes on its own. The
-    script goes on a connection the ride keeps, made from the channel's pool (``pool``).
-    Read in kombu 5.3 to 5.7 (``kombu/transport/redis.py``).
+    pushes the same payload to the same list and journals that payload as it is
+    (``journal_put.lua`` with the list key): the journal costs no write, no round trip and
+    no encoding of its own, and the message is never in the queue unjournaled. What kombu's
+    ``_put`` does besides (kombu 5.7's publish batches, queues with an expiry), a message
+    whose body encoding the journal does not read (:data:`RIDE_BODY_ENCODINGS`) and a
+    channel whose transport prefixes keys get kombu's own ``_put``, and the journal writes
+    on its own. The script goes on a connection the ride keeps, made from the channel's pool
+    (``pool``). Read in kombu 5.3 to 5.7 (``kombu/transport/redis.py``).
     """
 
     #: Attribute of a channel caching its ride: (store client, hooked or not).
@@ -111,7 +118,11 @@ class PublishRide:
 
         def _put(queue: Any, message: Any, **kwargs: Any) -> Any:
             expires = getattr(channel, "_expires", None)
-            if kwargs.get("_publish_batch") is None and not (expires and queue in expires):
+            if (
+                kwargs.get("_publish_batch") is None
+                and not (expires and queue in expires)
+                and (message.get("properties") or {}).get("body_encoding") in RIDE_BODY_ENCODINGS
+            ):
                 priority = channel._get_message_priority(message, reverse=False)
                 list_key = channel._q_for_pri(queue, priority)
                 dumps: Any = json.dumps
