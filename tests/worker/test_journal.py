@@ -20,6 +20,7 @@ import pytest
 import redis
 from celery import Celery, group
 from celery.worker import state as worker_state
+from kombu.message import Message as KombuMessage
 
 from celery_claims import InvalidArgument, RedisClaimManager
 from celery_claims.claims.journal import Held, RedisJournal
@@ -185,6 +186,40 @@ def test_a_worker_journals_what_its_tasks_publish_with_its_own_settings(
         mine = RedisJournal(client=redis_client, prefix=other)
         wait_for(lambda: not mine.entries(queue), timeout=10, what="the entries cleared")
     assert RedisJournal(client=redis_client, prefix=key_prefix).entries(queue) == {}
+
+
+@pytest.mark.parametrize("placement", ["riding the publish", "written apart"])
+def test_a_compressed_tasks_entry_decodes_as_its_message_wherever_it_is_written(
+    redis_server: RedisServer, queue: str, key_prefix: str, placement: str
+) -> None:
+    # Given an app whose task messages kombu compresses (kombu adds its ``compression`` header
+    # to the message's headers as it publishes), its journal riding the broker's push or
+    # written apart (the claim store on another database)
+    store_url = (
+        redis_server.url if placement == "riding the publish" else redis_server.url[:-1] + "3"
+    )
+    app = _app(redis_server.url, queue, key_prefix, task_compression="gzip",
+               claims_redis_url=store_url)  # fmt: skip
+    try:
+        with redis.Redis.from_url(store_url) as store:
+            journal = RedisJournal(client=store, prefix=key_prefix)
+            # When a task is published
+            _send(app, "t.echo", ({"n": 7},), task_id="j-gzip")
+            assert connect_producer(app).flush(timeout_s=10)
+            entry = journal.entries(queue)["j-gzip:0:0"][0]
+            store.delete(*journal.keys(queue).journal_keys)
+
+        # Then its entry decodes as kombu's consumer decodes the message (its body
+        # decompressed exactly when its headers say so): the task's own arguments
+        envelope = Envelope.loads(entry)
+        message = KombuMessage(
+            body=envelope.body, headers=dict(envelope.headers),
+            content_type=envelope.content_type, content_encoding=envelope.content_encoding,
+        )  # fmt: skip
+        assert message.errors == []  # kombu's consumer rejects a message it cannot decompress
+        assert message.decode()[0] == [{"n": 7}]
+    finally:
+        close_app(app)
 
 
 def test_recovery_drops_the_entry_of_a_task_recorded_done_without_republishing_it(

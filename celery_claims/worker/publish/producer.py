@@ -69,7 +69,7 @@ class _Message:
     headers: dict[str, Any]
     exchange: str
     routing_key: str
-    properties: Any
+    properties: dict[str, Any]
     #: the claim store's task id of its attempt
     task_key: str
 
@@ -134,7 +134,9 @@ def _on_before_publish(
             or getattr(task, "serializer", None)
             or capture.journal.app.conf.task_serializer
         )
-        headers = headers if type(headers) is dict else dict(headers or {})
+        # a copy: kombu adds to the very dict as it publishes (``compression``, with the
+        # body it compresses), and an envelope made later is of the message as given here
+        headers = dict(headers or {})
         task_id = headers.get("id")
         if not isinstance(headers.get("task"), str) or not isinstance(task_id, str) or not task_id:
             raise ValueError("the message headers carry no task name and id (task protocol 1?)")
@@ -144,7 +146,7 @@ def _on_before_publish(
             headers,
             str(getattr(exchange, "name", exchange) or ""),
             str(routing_key or ""),
-            properties,
+            dict(properties or {}),
             attempt_task_id(task_id, headers),
         )
     except Exception as exc:
