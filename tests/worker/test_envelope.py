@@ -217,6 +217,19 @@ def _kombus_message(
     return put[0]
 
 
+def _kombu_pushes_utf8_bodies() -> bool:
+    """True where kombu's virtual channels take ``utf-8`` as a body encoding (as none): kombu
+    5.3's look a codec of that name up and fail."""
+    from kombu import Connection
+
+    with Connection("memory://") as conn:
+        try:
+            conn.channel().encode_body("x", "utf-8")
+        except AttributeError:
+            return False
+    return True
+
+
 JSON_BODY = ((1, "ü"), {"k": 2.5}, EMBED)
 KOMBU_TYPES_BODY = ((datetime.datetime(2026, 12, 7, tzinfo=UTC), uuid.UUID(int=3)), {}, EMBED)
 
@@ -226,7 +239,14 @@ KOMBU_TYPES_BODY = ((datetime.datetime(2026, 12, 7, tzinfo=UTC), uuid.UUID(int=3
     [
         ("json", JSON_BODY, "base64"),  # kombu's Redis channels' own
         ("json", JSON_BODY, None),
-        ("json", JSON_BODY, "utf-8"),
+        pytest.param(
+            "json",
+            JSON_BODY,
+            "utf-8",
+            marks=pytest.mark.skipif(
+                not _kombu_pushes_utf8_bodies(), reason="this kombu pushes no utf-8 body"
+            ),
+        ),
         ("json", KOMBU_TYPES_BODY, "base64"),
         # a pickled body is bytes: pushed in base64 only
         ("pickle", ([b"\xff", decimal.Decimal("2.5")], {}, None), "base64"),
