@@ -26,7 +26,7 @@ from kombu.utils import json
 from celery_claims.worker.identity import attempt_task_id
 from celery_claims.worker.transport.publish import RIDE_BODY_ENCODINGS, kombu_json_codec
 
-__all__ = ["Envelope", "eta_ms_of"]
+__all__ = ["Envelope", "eta_ms_of", "task_of"]
 
 #: Envelope format version.
 _VERSION = 1
@@ -79,6 +79,18 @@ def _json_text(value: Any) -> str:
     if text is None:
         text = str(json.dumps(value))  # type: ignore[no-untyped-call]  # kombu is untyped
     return text
+
+
+def task_of(headers: Mapping[str, Any]) -> tuple[str, str]:
+    """The task name and id a message's ``headers`` carry (task protocol 2).
+
+    Raises:
+        ValueError: they carry none (task protocol 1?).
+    """
+    task, task_id = headers.get("task"), headers.get("id")
+    if not isinstance(task, str) or not isinstance(task_id, str) or not task_id:
+        raise ValueError("the message headers carry no task name and id (task protocol 1?)")
+    return task, task_id
 
 
 def eta_ms_of(headers: Mapping[str, Any]) -> int | None:
@@ -144,9 +156,7 @@ class Envelope:
             kombu.exceptions.EncodeError: the body cannot be serialized.
             ValueError: the headers name no task or id (task protocol 1).
         """
-        task, task_id = headers.get("task"), headers.get("id")
-        if not isinstance(task, str) or not isinstance(task_id, str) or not task_id:
-            raise ValueError("the message headers carry no task name and id (task protocol 1?)")
+        task, task_id = task_of(headers)
         # the message's own serializer, as kombu's Producer would apply it: kombu's JSON
         # text written as kombu writes it, where its registry's json is kombu's own
         codec = kombu_json_codec(serializer)
@@ -186,9 +196,7 @@ class Envelope:
             ValueError: the message carries no task name and id, or no body.
         """
         headers = dict(getattr(message, "headers", None) or {})
-        task, task_id = headers.get("task"), headers.get("id")
-        if not isinstance(task, str) or not isinstance(task_id, str) or not task_id:
-            raise ValueError("the message headers carry no task name and id (task protocol 1?)")
+        task, task_id = task_of(headers)
         body = getattr(message, "body", None)
         if isinstance(body, str):
             body = body.encode(getattr(message, "content_encoding", None) or "utf-8")
@@ -279,9 +287,7 @@ class Envelope:
         ``_inplace_augment_message``): its body decoded from the channel's body encoding, its
         route from ``delivery_info``, and the publisher's properties without kombu's own."""
         headers = dict(raw["headers"])
-        task, task_id = headers.get("task"), headers.get("id")
-        if not isinstance(task, str) or not isinstance(task_id, str) or not task_id:
-            raise ValueError("the message headers carry no task name and id")
+        task, task_id = task_of(headers)
         properties = dict(raw["properties"])
         encoding = properties.get("body_encoding")
         if encoding not in RIDE_BODY_ENCODINGS:

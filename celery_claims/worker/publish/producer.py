@@ -22,7 +22,7 @@ from celery_claims.errors import ClaimError, InvalidArgument
 from celery_claims.worker.compat import close_with, wrap_send_task, wrap_task_sender
 from celery_claims.worker.identity import QueueResolver, attempt_task_id
 from celery_claims.worker.policy import is_exempt
-from celery_claims.worker.publish.envelope import Envelope, eta_ms_of
+from celery_claims.worker.publish.envelope import Envelope, eta_ms_of, task_of
 from celery_claims.worker.publish.runs import stamp
 from celery_claims.worker.settings import ClaimsSettings, load_settings
 from celery_claims.worker.signals import Counters
@@ -137,9 +137,7 @@ def _on_before_publish(
         # a copy: kombu adds to the very dict as it publishes (``compression``, with the
         # body it compresses), and an envelope made later is of the message as given here
         headers = dict(headers or {})
-        task_id = headers.get("id")
-        if not isinstance(headers.get("task"), str) or not isinstance(task_id, str) or not task_id:
-            raise ValueError("the message headers carry no task name and id (task protocol 1?)")
+        task_id = task_of(headers)[1]
         capture.message = _Message(
             body,
             serializer,
